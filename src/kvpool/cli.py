@@ -1,0 +1,79 @@
+"""The `kvpool` command: demo, bench, master, inspect."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvpool: a KV-cache pool for LLM serving.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a table or JSON.")
+app.add_typer(bench_app, name="bench")
+
+
+def _emit(result: dict, as_json: bool, table: object) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        table_fn = table
+        assert callable(table_fn)
+        table_fn(result)
+
+
+@app.command()
+def demo(
+    backend: Annotated[str, typer.Option(help="memory (embedded) or mooncake (a local master it starts)")] = "memory",
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Multi-turn chat workload through a vLLM CPU engine, without and with kvpool."""
+    from kvpool import demo as demo_module
+
+    result = demo_module.run(backend=backend, quiet=as_json)
+    _emit(result, as_json, demo_module.print_table)
+
+
+@bench_app.command("store-path")
+def bench_store_path(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    requests: Annotated[int, typer.Option(help="concurrent requests")] = 8,
+    steps: Annotated[int, typer.Option(help="decode steps measured per cell")] = 64,
+    contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = "1024,4096,16384,65536,131072",
+    block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,128",
+) -> None:
+    """CPU cost per engine step of the save path: incremental vs full re-check."""
+    from kvpool.benchmarks import store_path
+
+    result = store_path.run(
+        contexts=[int(x) for x in contexts.split(",")],
+        block_sizes=[int(x) for x in block_sizes.split(",")],
+        requests=requests,
+        steps=steps,
+    )
+    _emit(result, as_json, store_path.print_table)
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    backend: Annotated[str, typer.Option(help="memory or mooncake")] = "memory",
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Save/load throughput per chunk size next to raw Mooncake and memcpy."""
+    from kvpool.benchmarks import transfer
+
+    result = transfer.run(backend=backend)
+    _emit(result, as_json, transfer.print_table)
+
+
+@app.command()
+def master(
+    rpc_port: Annotated[int, typer.Option(help="RPC port on 127.0.0.1")] = 50051,
+) -> None:
+    """Start a local mooncake_master on 127.0.0.1 and print the kvpool config to use."""
+    from kvpool.mooncake_master import run_master_forever
+
+    run_master_forever(rpc_port=rpc_port)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,37 @@
+"""What the scheduler side hands the workers each step: only what changed per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks for tokens [start_tokens, hit_tokens) into the request's blocks."""
+
+    start_tokens: int
+    hit_tokens: int
+
+
+@dataclass
+class RequestDelta:
+    req_id: str
+    new_hashes: list[bytes] = field(default_factory=list)  # appended to the worker's copy
+    new_blocks: tuple[list[int], ...] | None = None  # appended per group (replaces when replace_blocks)
+    replace_blocks: bool = False  # resumed after preemption: the table starts over
+    num_prompt_tokens: int = 0  # set on the first delta of a request
+    stored_tokens: int = 0  # first delta: tokens already in the pool (the lookup hit)
+    save_tokens: int = 0  # > 0: save up to this many tokens (a new high point)
+    computed_before: int = 0  # tokens computed before this step (blocks below a window may be freed)
+    load: LoadSpec | None = None
+
+
+@dataclass
+class StepMetadata:
+    requests: list[RequestDelta] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    written_blocks: list[int] = field(default_factory=list)  # blocks this step may overwrite: the save fence
+
+    def is_empty(self) -> bool:
+        return not (self.requests or self.finished or self.preempted or self.written_blocks)

@@ -1,0 +1,235 @@
+"""Scheduler side: lookups of the longest stored prefix, request trackers, per-step deltas."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvpool.keys import KeySpace, chunk_hashes
+from kvpool.masks import MaskCoordinator
+from kvpool.metadata import LoadSpec, RequestDelta
+
+log = logging.getLogger("kvpool.scheduler")
+
+Exists = Callable[[list[str]], list[bool]]
+
+
+@dataclass
+class SchedulerConfig:
+    save_decode: bool = False  # also store KV of generated tokens
+    lookup_async: bool = False  # answer "ask again" while a lookup runs on a thread
+    lookup_timeout_s: float = 5.0  # an async lookup older than this counts as a miss
+    lookup_cache_s: float = 2.0  # how long a lookup result is reused for the same request
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hit_tokens: int = 0
+    lookup_failures: int = 0
+    loads: int = 0
+    load_tokens: int = 0
+
+
+@dataclass
+class _Lookup:
+    num_hashes: int
+    at: float
+    hit: int = 0
+    future: Future[int] | None = None
+
+
+@dataclass
+class _Tracker:
+    req_id: str
+    num_prompt_tokens: int
+    stored_tokens: int
+    sent_hashes: int = 0
+    sent_blocks: list[int] = field(default_factory=list)
+    saved_tokens: int = 0
+    save_emitted: bool = False
+    started: bool = False
+    load: LoadSpec | None = None
+
+
+class SchedulerEngine:
+    """Engine-neutral scheduler half. `namespaces[g]` lists the key spaces a chunk of group g must be
+    present in (one per TP shard / PP rank) to count as a hit."""
+
+    def __init__(
+        self,
+        coordinator: MaskCoordinator,
+        namespaces: Sequence[Sequence[KeySpace]],
+        exists: Exists,
+        config: SchedulerConfig | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.namespaces = [list(spaces) for spaces in namespaces]
+        self.exists = exists
+        self.config = config or SchedulerConfig()
+        self.stats = SchedulerStats()
+        self._lookups: dict[str, _Lookup] = {}
+        self._trackers: dict[str, _Tracker] = {}
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ---- lookup -------------------------------------------------------------------------------
+
+    def lookup(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> int | None:
+        """Longest pool hit in tokens, strictly below `num_tokens` (at least one token is recomputed).
+        None: not known yet, ask again (async mode)."""
+        now = time.monotonic()
+        cached = self._lookups.get(req_id)
+        if cached is not None and cached.num_hashes == len(block_hashes):
+            if cached.future is None:
+                if now - cached.at <= self.config.lookup_cache_s:
+                    return cached.hit
+            elif cached.future.done():
+                cached.hit = self._result(cached.future)
+                cached.future = None
+                cached.at = now
+                return cached.hit
+            elif now - cached.at > self.config.lookup_timeout_s:
+                self.stats.lookup_failures += 1
+                cached.future, cached.hit, cached.at = None, 0, now
+                return 0
+            else:
+                return None
+        hashes = list(block_hashes)
+        if self.config.lookup_async:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
+            self._lookups[req_id] = _Lookup(
+                len(hashes), now, future=self._executor.submit(self.longest_hit, hashes, num_tokens)
+            )
+            return None
+        hit = self._safe_hit(hashes, num_tokens)
+        self._lookups[req_id] = _Lookup(len(hashes), now, hit)
+        return hit
+
+    def _result(self, future: Future[int]) -> int:
+        try:
+            return future.result()
+        except Exception:
+            self.stats.lookup_failures += 1
+            log.exception("lookup failed; treating it as a miss")
+            return 0
+
+    def _safe_hit(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        try:
+            return self.longest_hit(hashes, num_tokens)
+        except Exception:
+            self.stats.lookup_failures += 1
+            log.exception("lookup failed; treating it as a miss")
+            return 0
+
+    def longest_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        coord = self.coordinator
+        max_tokens = min(num_tokens - 1, len(block_hashes) * coord.hash_block_size)
+        aligned = coord.align(max_tokens)
+        if aligned <= 0:
+            return 0
+        keys: list[str] = []
+        spans: list[tuple[list[int], int, int]] = []  # per group: chunk ids, first key index, namespaces
+        for group, (kind, mask) in enumerate(zip(coord.kinds, coord.lookup_masks(aligned))):
+            hashes = chunk_hashes(block_hashes, coord.hash_block_size, kind.block_size)
+            count = aligned // kind.block_size
+            chunks = list(range(count)) if mask is None else [c for c in range(count) if mask[c]]
+            spans.append((chunks, len(keys), len(self.namespaces[group])))
+            picked = [hashes[c] for c in chunks]
+            for space in self.namespaces[group]:
+                keys.extend(space.keys(picked))
+        found = self.exists(keys) if keys else []
+        self.stats.lookups += 1
+        self.stats.lookup_keys += len(keys)
+        present: list[Callable[[int], bool]] = []
+        for chunks, first, spaces in spans:
+            n = len(chunks)
+            hits = {chunk for i, chunk in enumerate(chunks) if all(found[first + s * n + i] for s in range(spaces))}
+            present.append(hits.__contains__)
+        hit = coord.longest_hit(max_tokens, present)
+        self.stats.lookup_hit_tokens += hit
+        return hit
+
+    # ---- request lifecycle --------------------------------------------------------------------
+
+    def on_allocated(self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int) -> None:
+        """The engine allocated blocks; `external_tokens` > 0 arms a load of [local, local + external)."""
+        tracker = self._tracker(req_id, num_prompt_tokens)
+        if external_tokens > 0:
+            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens)
+            self.stats.loads += 1
+            self.stats.load_tokens += external_tokens
+
+    def _tracker(self, req_id: str, num_prompt_tokens: int) -> _Tracker:
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            cached = self._lookups.get(req_id)
+            stored = cached.hit if cached is not None and cached.future is None else 0
+            tracker = self._trackers[req_id] = _Tracker(req_id, num_prompt_tokens, stored)
+        return tracker
+
+    def request_delta(
+        self,
+        req_id: str,
+        *,
+        num_prompt_tokens: int,
+        block_hashes: Sequence[bytes],
+        block_table: Sequence[Sequence[int]],
+        computed_before: int,
+        new_tokens: int,
+        resumed: bool = False,
+    ) -> RequestDelta | None:
+        """What the workers need to learn about this request this step (None: nothing)."""
+        coord = self.coordinator
+        tracker = self._tracker(req_id, num_prompt_tokens)
+        delta = RequestDelta(req_id, computed_before=computed_before)
+        if not tracker.started:
+            tracker.started = True
+            delta.num_prompt_tokens = num_prompt_tokens
+            delta.stored_tokens = tracker.stored_tokens
+            tracker.saved_tokens = tracker.stored_tokens
+            resumed = True
+        if resumed or len(tracker.sent_blocks) != len(block_table):
+            delta.new_blocks = tuple(list(table) for table in block_table)
+            delta.replace_blocks = True
+            tracker.sent_blocks = [len(table) for table in block_table]
+        elif any(len(table) > sent for table, sent in zip(block_table, tracker.sent_blocks)):
+            delta.new_blocks = tuple(list(table[sent:]) for table, sent in zip(block_table, tracker.sent_blocks))
+            tracker.sent_blocks = [len(table) for table in block_table]
+        saveable = computed_before + new_tokens
+        if not self.config.save_decode:
+            saveable = min(saveable, num_prompt_tokens)
+        saveable = coord.align(min(saveable, len(block_hashes) * coord.hash_block_size))
+        if saveable > tracker.saved_tokens:
+            delta.save_tokens = tracker.saved_tokens = saveable
+            tracker.save_emitted = True
+        if tracker.load is not None:
+            delta.load, tracker.load = tracker.load, None
+        needed = max(delta.save_tokens, delta.load.hit_tokens if delta.load else 0) // coord.hash_block_size
+        if needed > tracker.sent_hashes:
+            delta.new_hashes = list(block_hashes[tracker.sent_hashes : needed])
+            tracker.sent_hashes = needed
+        if delta.new_blocks is None and not delta.save_tokens and delta.load is None and not delta.num_prompt_tokens:
+            return None
+        return delta
+
+    def finish(self, req_id: str) -> bool:
+        """The request ended. True: a save was issued, so the engine should report when it is done."""
+        self._lookups.pop(req_id, None)
+        tracker = self._trackers.pop(req_id, None)
+        return tracker is not None and tracker.save_emitted
+
+    def preempt(self, req_id: str) -> None:
+        self._lookups.pop(req_id, None)
+        self._trackers.pop(req_id, None)
+
+    def active_requests(self) -> int:
+        return len(self._trackers) + len(self._lookups)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
