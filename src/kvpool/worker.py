@@ -132,7 +132,7 @@ class WorkerEngine:
         self._saving: set[str] = set()  # saves requested since the last preemption: report when done
         self._finished_saving: set[str] = set()
         self._finished_loading: set[str] = set()
-        self._failed_blocks: set[int] = set()
+        self._failed_loads: dict[str, set[int]] = {}
         self._save_queue: queue.Queue[_SaveJob | None] = queue.Queue()
         self._load_queue: queue.Queue[tuple[str, list[_Item]] | None] = queue.Queue()
         self._loads_pending = 0
@@ -436,7 +436,8 @@ class WorkerEngine:
             if missing_hashes > 0:
                 failed.extend(b for b in table[len(hashes) : hit_tokens // kind.block_size] if b != NULL_BLOCK_ID)
         with self._lock:
-            self._failed_blocks.update(failed)
+            if failed:
+                self._failed_loads.setdefault(state.req_id, set()).update(failed)
             # loads write blocks: a later step that reuses them (abort) must wait like for a save
             self._pending_reads.update(item.block_id for item in items)
             self._loads_pending += 1
@@ -456,7 +457,8 @@ class WorkerEngine:
                 log.exception("load of request %s failed; its blocks will be recomputed", req_id)
             finally:
                 with self._lock:
-                    self._failed_blocks.update(failed)
+                    if failed:
+                        self._failed_loads.setdefault(req_id, set()).update(failed)
                     self._finished_loading.add(req_id)
                     self._pending_reads.subtract(item.block_id for item in items)
                     self._pending_reads = +self._pending_reads
@@ -498,8 +500,12 @@ class WorkerEngine:
         return saving, loading
 
     def take_failed_blocks(self) -> set[int]:
+        return set().union(*self.take_failed_loads().values())
+
+    def take_failed_loads(self) -> dict[str, set[int]]:
+        """Blocks that could not be loaded, per request, since the last call."""
         with self._lock:
-            failed, self._failed_blocks = self._failed_blocks, set()
+            failed, self._failed_loads = self._failed_loads, {}
         return failed
 
     def active_requests(self) -> int:

@@ -94,6 +94,11 @@ class MemoryBackend:
                     removed += 1
         return removed
 
+    def keys(self) -> list[str]:
+        """Every stored key, least recently used first."""
+        with self._lock:
+            return list(self._items)
+
     def clear(self) -> int:
         with self._lock:
             count = len(self._items)

@@ -1,0 +1,118 @@
+"""kvpool settings, read from vLLM's `kv_connector_extra_config` and validated at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvpool.backends.base import BACKEND_NAMES
+from kvpool.errors import ConfigError
+
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as "512MiB" / "4 GB"."""
+    if isinstance(value, bool):
+        raise ConfigError(key, value, "a byte count: an integer or a string like '512MiB'")
+    if isinstance(value, int) and value > 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number) :]
+        try:
+            amount = float(number)
+        except ValueError:
+            amount = -1.0
+        if unit in SIZE_UNITS and amount > 0:
+            return int(amount * SIZE_UNITS[unit])
+    raise ConfigError(key, value, "a positive byte count: an integer or a string like '512MiB'")
+
+
+@dataclass
+class KVPoolConfig:
+    """Every key of `kv_connector_extra_config` kvpool understands (see README for the table)."""
+
+    backend: str = "memory"
+    pool_name: str = "default"
+    capacity_bytes: int = 4 << 30
+    mooncake: dict[str, Any] = field(default_factory=dict)
+    save_decode: bool = False
+    retention_interval: int | None = None
+    tenant: str = ""
+    model_id: str = ""
+    lookup_async: bool | None = None  # None: async when lookups leave the process
+    lookup_timeout_s: float = 5.0
+    check_exists_before_put: bool = True
+    put_batch_chunks: int = 64
+    fence_timeout_s: float = 5.0
+    lookup_channel: str = "auto"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> KVPoolConfig:
+        raw = dict(raw or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise ConfigError(unknown[0], raw[unknown[0]], f"one of the keys {', '.join(sorted(allowed))}")
+        config = cls()
+        for key, value in raw.items():
+            setattr(config, key, value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError("backend", self.backend, f"one of {', '.join(BACKEND_NAMES)}")
+        if not isinstance(self.pool_name, str) or not self.pool_name:
+            raise ConfigError("pool_name", self.pool_name, "a non-empty string")
+        self.capacity_bytes = parse_size("capacity_bytes", self.capacity_bytes)
+        if not isinstance(self.mooncake, dict):
+            raise ConfigError("mooncake", self.mooncake, "an object of Mooncake settings")
+        for key in ("save_decode", "check_exists_before_put"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "true or false")
+        if self.lookup_async is not None and not isinstance(self.lookup_async, bool):
+            raise ConfigError("lookup_async", self.lookup_async, "true, false or null (automatic)")
+        if self.retention_interval is not None and (
+            isinstance(self.retention_interval, bool)
+            or not isinstance(self.retention_interval, int)
+            or self.retention_interval < 0
+        ):
+            raise ConfigError("retention_interval", self.retention_interval, "null, 0, or a positive token count")
+        for key in ("tenant", "model_id"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(key, getattr(self, key), "a string")
+        for key in ("lookup_timeout_s", "fence_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(key, value, "a positive number of seconds")
+        if (
+            isinstance(self.put_batch_chunks, bool)
+            or not isinstance(self.put_batch_chunks, int)
+            or not (1 <= self.put_batch_chunks <= 65536)
+        ):
+            raise ConfigError("put_batch_chunks", self.put_batch_chunks, "an integer from 1 to 65536")
+        if self.lookup_channel not in ("auto", "direct", "zmq"):
+            raise ConfigError("lookup_channel", self.lookup_channel, "one of auto, direct, zmq")
+
+    def backend_options(self) -> dict[str, Any]:
+        if self.backend == "memory":
+            return {"name": self.pool_name, "capacity_bytes": self.capacity_bytes}
+        return dict(self.mooncake)

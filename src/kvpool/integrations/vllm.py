@@ -1,0 +1,571 @@
+"""vLLM KV connector. Load it with
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+                           "kv_connector_module_path": "kvpool.integrations.vllm",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
+
+A thin adapter: it turns vLLM's requests, block tables, KV cache config and tensors into the
+core's plain data (kvpool.scheduler / kvpool.worker) and back. No pool logic lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvpool.backends.base import Backend, create_backend
+from kvpool.config import KVPoolConfig
+from kvpool.errors import ConfigError, LayoutError
+from kvpool.keys import KeySpace, LayoutFingerprint
+from kvpool.layout import KVLayout
+from kvpool.lookup_channel import LookupClient, LookupServer, channel_address
+from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.metadata import StepMetadata
+from kvpool.scheduler import SchedulerConfig, SchedulerEngine
+from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.vllm")
+
+# In-process engines: the scheduler asks the worker's pool directly instead of over a socket.
+_LOCAL_WORKERS: dict[str, _WorkerSide] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def _full(spec: Any) -> AttentionKind:
+    return FullAttention(spec.block_size)
+
+
+def _sliding(spec: Any) -> AttentionKind:
+    return SlidingWindow(spec.block_size, spec.sliding_window)
+
+
+def _chunked(spec: Any) -> AttentionKind:
+    return ChunkedLocal(spec.block_size, spec.attention_chunk_size)
+
+
+# vLLM spec class name -> our attention kind; subclasses (e.g. MLAAttentionSpec) resolve via the MRO
+SPEC_KINDS = {
+    "SlidingWindowSpec": _sliding,
+    "ChunkedLocalAttentionSpec": _chunked,
+    "FullAttentionSpec": _full,
+}
+
+
+def attention_kind(spec: Any) -> AttentionKind:
+    specs = getattr(spec, "kv_cache_specs", None)
+    if specs:  # UniformTypeKVCacheSpecs: every layer has the same kind
+        return attention_kind(next(iter(specs.values())))
+    for cls in type(spec).__mro__:
+        make = SPEC_KINDS.get(cls.__name__)
+        if make is not None:
+            return make(spec)
+    raise LayoutError(
+        f"KV cache spec {type(spec).__name__} is not supported by kvpool "
+        f"(supported: {', '.join(SPEC_KINDS)}); run this model without the connector"
+    )
+
+
+def _cpu_isa() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return "unknown"
+    for isa in ("amx_bf16", "avx512f", "avx2"):
+        if f" {isa}" in flags:
+            return isa
+    return "base"
+
+
+@dataclass
+class ModelPlan:
+    """What both roles derive identically from the engine config: kinds, keys, TP placement."""
+
+    coordinator: MaskCoordinator
+    fingerprints: list[LayoutFingerprint]  # per group, shard 0
+    tp_rank: int
+    tp_size: int
+    replicas: int  # TP ranks holding identical bytes
+    pp_rank: int
+    pp_size: int
+
+    @property
+    def shard(self) -> int:
+        return self.tp_rank // self.replicas
+
+    def placements(self) -> list[GroupPlacement]:
+        position = self.tp_rank % self.replicas
+        return [
+            GroupPlacement(
+                KeySpace(_with(fp, tp_shard=self.shard, pp_rank=self.pp_rank)),
+                put_step=self.replicas,
+                put_step_rank=(position + group) % self.replicas,
+            )
+            for group, fp in enumerate(self.fingerprints)
+        ]
+
+    def lookup_namespaces(self) -> list[list[KeySpace]]:
+        shards = max(1, self.tp_size // self.replicas)
+        return [
+            [KeySpace(_with(fp, tp_shard=s, pp_rank=p)) for s in range(shards) for p in range(self.pp_size)]
+            for fp in self.fingerprints
+        ]
+
+
+def _with(fp: LayoutFingerprint, **changes: Any) -> LayoutFingerprint:
+    from dataclasses import replace
+
+    return replace(fp, **changes)
+
+
+def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVPoolConfig) -> ModelPlan:
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [attention_kind(group.kv_cache_spec) for group in groups]
+    hash_block = kv_cache_config.hash_block_size or min(kind.block_size for kind in kinds)
+    retention = config.retention_interval
+    if retention is None:
+        retention = kv_cache_config.prefix_cache_retention_interval
+    coordinator = MaskCoordinator(kinds, retention_interval=retention, hash_block_size=hash_block)
+    parallel = vllm_config.parallel_config
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    rank = getattr(parallel, "rank", 0)
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    model_config = vllm_config.model_config
+    kv_heads = model_config.get_total_num_kv_heads()
+    replicas = tp_size if model_config.use_mla else max(1, tp_size // max(1, kv_heads))
+    device = vllm_config.device_config.device_type
+    layout = kv_cache_config.kv_cache_layout or "default"
+    isa = _cpu_isa() if device == "cpu" else torch.__version__
+    hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if hash_algo.startswith("xxhash") and "PYTHONHASHSEED" not in os.environ:
+        log.warning(
+            "prefix_caching_hash_algo=%s without PYTHONHASHSEED seeds block hashes per process: "
+            "other engines will never hit what this one stores",
+            hash_algo,
+        )
+    fingerprints = []
+    for group_id, (group, kind) in enumerate(zip(groups, kinds)):
+        spec = group.kv_cache_spec
+        fingerprints.append(
+            LayoutFingerprint(
+                model=config.model_id or model_config.model,
+                dtype=str(getattr(spec, "dtype", model_config.dtype)),
+                block_size=kind.block_size,
+                kv_layout=f"{device}:{layout}:{isa}:{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}",
+                chunk_bytes=spec.page_size_bytes,
+                num_layers=len(group.layer_names),
+                group_id=group_id,
+                attention=kind.describe(),
+                hash_algo=f"{hash_algo}:{os.environ.get('PYTHONHASHSEED', '')}",
+                tenant=config.tenant,
+            )
+        )
+    return ModelPlan(coordinator, fingerprints, tp_rank, tp_size, replicas, pp_rank, pp_size)
+
+
+class KVPoolMetadata(KVConnectorMetadata):
+    def __init__(self, step: StepMetadata) -> None:
+        self.step = step
+
+
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvpool as a vLLM KV connector (scheduler and worker roles)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = KVPoolConfig.from_dict(transfer.kv_connector_extra_config)
+        self.engine_id = transfer.engine_id or "default"
+        self.plan = plan_model(vllm_config, kv_cache_config, self.config)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self)
+        else:
+            self._worker = _WorkerSide(self)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never an error
+
+    # ---- worker role ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVPoolMetadata)
+        self._worker_side.before_step(kv_connector_metadata.step)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side.apply(self._step())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker_side.save(self._step())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker_side.transfer_results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side.take_invalid_blocks()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    def _step(self) -> StepMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        return meta.step
+
+    @property
+    def _worker_side(self) -> _WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side call on the scheduler connector")
+        return self._worker
+
+    @property
+    def _scheduler_side(self) -> _SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side call on the worker connector")
+        return self._scheduler
+
+    # ---- scheduler role ------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler_side.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side.requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KVPoolMetadata(self._scheduler_side.build_step(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side.absorb(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side.finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side.finished(request), None
+
+    def reset_cache(self) -> bool | None:
+        return None
+
+
+class _WorkerSide:
+    def __init__(self, connector: KVPoolConnector) -> None:
+        self.connector = connector
+        config = connector.config
+        plan = connector.plan
+        self.num_groups = len(plan.fingerprints)
+        self.backend: Backend = create_backend(config.backend, config.backend_options())
+        self.engine = WorkerEngine(
+            self.backend,
+            plan.coordinator,
+            plan.placements(),
+            config=WorkerConfig(
+                put_batch_chunks=config.put_batch_chunks,
+                check_exists_before_put=config.check_exists_before_put,
+                fence_timeout_s=config.fence_timeout_s,
+            ),
+        )
+        self.server: LookupServer | None = None
+        if config.backend == "memory" and plan.tp_rank == 0 and plan.pp_rank == 0 and config.lookup_channel != "direct":
+            self.server = LookupServer(channel_address(connector.engine_id), self.backend.exists)
+        self._invalid_blocks: set[int] = set()
+        self._device: torch.device | None = None
+        self._applied: StepMetadata | None = None
+        with _LOCAL_LOCK:
+            _LOCAL_WORKERS[connector.engine_id] = self
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kv_config = self.connector._kv_cache_config
+        layer_groups = {
+            name: group for group, spec in enumerate(kv_config.kv_cache_groups) for name in spec.layer_names
+        }
+        tensors = {name: tensor for name, tensor in kv_caches.items() if name in layer_groups}
+        self._device = next(iter(tensors.values())).device
+        self.engine.register_layout(KVLayout(tensors, layer_groups, kv_config.num_blocks))
+
+    def before_step(self, step: StepMetadata) -> None:
+        self.engine.handle_step(step)
+
+    def apply(self, step: StepMetadata) -> None:
+        if self._applied is not step:
+            self._applied = step
+            self.engine.apply(step.requests)
+
+    def save(self, step: StepMetadata) -> None:
+        self.apply(step)
+        if any(delta.save_tokens for delta in step.requests):
+            self.engine.save(step.requests, self._device_fence())
+
+    def _device_fence(self) -> Any:
+        device = self._device
+        if device is None or device.type == "cpu":
+            return None  # CPU forward passes are synchronous
+        event = getattr(torch, device.type).Event()
+        event.record()
+        return event.synchronize
+
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self.engine.finish(finished_req_ids)
+        sending, recving = self.engine.take_finished()
+        failed = self.engine.take_failed_loads()
+        results = KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        if failed:
+            if self.num_groups == 1:
+                # one group: vLLM truncates at the first bad block and recomputes from there
+                self._invalid_blocks.update(*failed.values())
+            else:
+                # block ids are only unique per group: fail the whole request (recomputed from 0)
+                results.failed_recving = set(failed)
+        return results
+
+    def take_invalid_blocks(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def close(self) -> None:
+        with _LOCAL_LOCK:
+            if _LOCAL_WORKERS.get(self.connector.engine_id) is self:
+                del _LOCAL_WORKERS[self.connector.engine_id]
+        if self.server is not None:
+            self.server.close()
+        self.engine.drain(timeout_s=10.0)
+        self.engine.close()
+        self.backend.close()
+
+
+class _SchedulerSide:
+    def __init__(self, connector: KVPoolConnector) -> None:
+        self.connector = connector
+        config = connector.config
+        plan = connector.plan
+        self.kv_cache_manager: KVCacheManager | None = None
+        self.requests: dict[str, Request] = {}
+        self._local_tokens: dict[str, int] = {}
+        self._pending_loads: dict[str, Request] = {}
+        self._loading: set[str] = set()
+        self._block_tables: dict[str, tuple[list[int], ...]] = {}
+        self._client: LookupClient | None = None
+        self._own_backend: Backend | None = None
+        exists, remote = self._choose_lookup()
+        lookup_async = remote if config.lookup_async is None else config.lookup_async
+        self.core = SchedulerEngine(
+            plan.coordinator,
+            plan.lookup_namespaces(),
+            exists,
+            SchedulerConfig(
+                save_decode=config.save_decode,
+                lookup_async=lookup_async,
+                lookup_timeout_s=config.lookup_timeout_s,
+            ),
+        )
+        self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
+
+    def _choose_lookup(self) -> tuple[Any, bool]:
+        """(exists function, whether it leaves this process)."""
+        config = self.connector.config
+        if config.backend == "mooncake":
+            options = dict(config.backend_options(), global_segment_size=0)
+            self._own_backend = create_backend("mooncake", options)
+            return self._own_backend.exists, True
+        with _LOCAL_LOCK:
+            local = _LOCAL_WORKERS.get(self.connector.engine_id)
+        if local is not None and config.lookup_channel != "zmq":
+            return local.backend.exists, False
+        if config.lookup_channel == "direct":
+            raise ConfigError("lookup_channel", "direct", "'auto' or 'zmq' when the worker runs in another process")
+        self._client = LookupClient(channel_address(self.connector.engine_id), config.lookup_timeout_s)
+        return self._client.exists, True
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        hit = self.core.lookup(request.request_id, request.block_hashes, request.num_tokens)
+        if hit is None:
+            return None, False
+        self._local_tokens[request.request_id] = num_computed_tokens
+        external = max(0, hit - num_computed_tokens)
+        return external, external > 0
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        req_id = request.request_id
+        local = self._local_tokens.get(req_id, 0)
+        self.core.on_allocated(req_id, request.num_prompt_tokens, local, num_external_tokens)
+        self._pending_loads[req_id] = request
+        self._loading.add(req_id)
+        self.requests.setdefault(req_id, request)
+
+    def _table(self, req_id: str, scheduler_output: SchedulerOutput) -> tuple[list[int], ...] | None:
+        state = scheduler_output.kv_connector_block_state
+        table = state.get_block_ids(req_id) if state is not None else None
+        if table is None and self.kv_cache_manager is not None:
+            table = self.kv_cache_manager.get_block_ids(req_id)
+        return table
+
+    def build_step(self, so: SchedulerOutput) -> StepMetadata:
+        step = StepMetadata()
+        core = self.core
+        written: set[int] = set()
+        for req_id in so.preempted_req_ids or ():
+            core.preempt(req_id)
+            step.preempted.append(req_id)
+            self._loading.discard(req_id)
+        for req_id, request in self._pending_loads.items():
+            table = self._table(req_id, so)
+            if table is None:
+                continue
+            delta = core.request_delta(
+                req_id,
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_hashes=request.block_hashes,
+                block_table=table,
+                computed_before=self._local_tokens.get(req_id, 0),
+                new_tokens=0,
+            )
+            if delta is not None:
+                step.requests.append(delta)
+                if delta.load is not None:
+                    self._note_written(written, table, delta.load.start_tokens)
+        self._pending_loads.clear()
+        spec_tokens = so.scheduled_spec_decode_tokens
+        for new in so.scheduled_new_reqs:
+            request = self.requests.get(new.req_id)
+            if request is None:
+                continue
+            table = self._table(new.req_id, so) or new.block_ids
+            self._add(
+                step,
+                written,
+                request,
+                table,
+                new.num_computed_tokens,
+                so.num_scheduled_tokens.get(new.req_id, 0) - len(spec_tokens.get(new.req_id, ())),
+                True,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            table = self._table(req_id, so)
+            if table is None:
+                continue
+            self._add(
+                step,
+                written,
+                request,
+                table,
+                cached.num_computed_tokens[i],
+                so.num_scheduled_tokens.get(req_id, 0) - len(spec_tokens.get(req_id, ())),
+                req_id in cached.resumed_req_ids,
+            )
+        step.written_blocks = sorted(written)
+        return step
+
+    def _add(
+        self,
+        step: StepMetadata,
+        written: set[int],
+        request: Request,
+        table: tuple[list[int], ...],
+        computed_before: int,
+        new_tokens: int,
+        resumed: bool,
+    ) -> None:
+        delta = self.core.request_delta(
+            request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_hashes=request.block_hashes,
+            block_table=table,
+            computed_before=computed_before,
+            new_tokens=max(0, new_tokens),
+            resumed=resumed,
+        )
+        if delta is not None:
+            step.requests.append(delta)
+        self._note_written(written, table, computed_before)
+
+    def _note_written(self, written: set[int], table: tuple[list[int], ...], from_tokens: int) -> None:
+        # the forward (or a load) writes from the first uncomputed token on; earlier blocks are only read
+        for blocks, block_size in zip(table, self._block_sizes):
+            written.update(blocks[from_tokens // block_size :])
+        written.discard(0)
+
+    def absorb(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            self._loading.discard(req_id)
+
+    def finished(self, request: Request) -> bool:
+        req_id = request.request_id
+        self.requests.pop(req_id, None)
+        self._local_tokens.pop(req_id, None)
+        self._pending_loads.pop(req_id, None)
+        saving = self.core.finish(req_id)
+        loading = req_id in self._loading
+        self._loading.discard(req_id)
+        # a pending load still writes into the blocks: vLLM frees them when it reports finished_recving
+        return saving or loading
+
+    def close(self) -> None:
+        self.core.close()
+        if self._client is not None:
+            self._client.close()
+        if self._own_backend is not None:
+            self._own_backend.close()
+
+
+def local_worker(engine_id: str | None = None) -> WorkerEngine | None:
+    """The in-process worker engine (tests, demo): by engine id, or the only one."""
+    with _LOCAL_LOCK:
+        if engine_id is not None:
+            side = _LOCAL_WORKERS.get(engine_id)
+        else:
+            side = next(iter(_LOCAL_WORKERS.values()), None) if len(_LOCAL_WORKERS) == 1 else None
+    return side.engine if side is not None else None
