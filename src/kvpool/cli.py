@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvpool: a KV-cache pool for LLM serving.")
+DEFAULT_CONTEXTS = "1024,4096,16384,65536,131072"
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a table or JSON.")
 app.add_typer(bench_app, name="bench")
 
@@ -38,7 +39,7 @@ def bench_store_path(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
     requests: Annotated[int, typer.Option(help="concurrent requests")] = 8,
     steps: Annotated[int, typer.Option(help="decode steps measured per cell")] = 64,
-    contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = "1024,4096,16384,65536,131072",
+    contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = DEFAULT_CONTEXTS,
     block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,128",
 ) -> None:
     """CPU cost per engine step of the save path: incremental vs full re-check."""

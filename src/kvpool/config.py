@@ -54,7 +54,7 @@ class KVPoolConfig:
     capacity_bytes: int = 4 << 30
     mooncake: dict[str, Any] = field(default_factory=dict)
     save_decode: bool = False
-    retention_interval: int | None = None
+    retention_interval: int | str | None = "engine"  # "engine": the engine's own; None: every boundary
     tenant: str = ""
     model_id: str = ""
     lookup_async: bool | None = None  # None: async when lookups leave the process
@@ -63,6 +63,7 @@ class KVPoolConfig:
     put_batch_chunks: int = 64
     fence_timeout_s: float = 5.0
     lookup_channel: str = "auto"
+    load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KVPoolConfig:
@@ -90,12 +91,14 @@ class KVPoolConfig:
                 raise ConfigError(key, getattr(self, key), "true or false")
         if self.lookup_async is not None and not isinstance(self.lookup_async, bool):
             raise ConfigError("lookup_async", self.lookup_async, "true, false or null (automatic)")
-        if self.retention_interval is not None and (
+        if self.retention_interval not in (None, "engine") and (
             isinstance(self.retention_interval, bool)
             or not isinstance(self.retention_interval, int)
             or self.retention_interval < 0
         ):
-            raise ConfigError("retention_interval", self.retention_interval, "null, 0, or a positive token count")
+            raise ConfigError(
+                "retention_interval", self.retention_interval, '"engine", null, 0, or a positive token count'
+            )
         for key in ("tenant", "model_id"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(key, getattr(self, key), "a string")
@@ -109,6 +112,8 @@ class KVPoolConfig:
             or not (1 <= self.put_batch_chunks <= 65536)
         ):
             raise ConfigError("put_batch_chunks", self.put_batch_chunks, "an integer from 1 to 65536")
+        if self.load_failure_policy not in ("recompute", "engine"):
+            raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
         if self.lookup_channel not in ("auto", "direct", "zmq"):
             raise ConfigError("lookup_channel", self.lookup_channel, "one of auto, direct, zmq")
 

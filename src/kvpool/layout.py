@@ -62,7 +62,11 @@ class KVLayout:
             self.layers.append(LayerSpec(name, group, kv_outer))
             halves = [tensor[0], tensor[1]] if kv_outer else [tensor]
             for half in halves:
-                self._views[group].append(half if self.staged else as_u8(half).reshape(num_blocks, -1))
+                try:
+                    view = half if self.staged else as_u8(half).reshape(num_blocks, -1)
+                except TypeError as exc:  # not contiguous or not host memory: say which layer
+                    raise LayoutError(f"layer {name!r}: {exc}") from exc
+                self._views[group].append(view)
         self._block_bytes = [sum(_block_nbytes(v) for v in views) for views in self._views]
         self._storages = _distinct_storages(tensors.values())
 

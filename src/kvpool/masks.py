@@ -181,8 +181,8 @@ class ChunkedLocal(AttentionKind):
         local_end = (chunk * b // size + 1) * size
         return boundaries.any_in((chunk + 1) * b, local_end - 1)
 
-    def dense(self, boundaries: Boundaries) -> bool:
-        return boundaries.retention_interval is None and boundaries.lcm <= self.block_size
+    # never dense: a hit needs no block of the local chunk it ends on the edge of, so the last block of
+    # every local chunk is unreachable (storing it, and asking the pool for it, is pure waste)
 
     def first_live_chunk(self, num_computed_tokens: int) -> int:
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size // self.block_size

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvpool.errors import LayoutError
 from kvpool.keys import KeySpace, chunk_hashes
 from kvpool.masks import MaskCoordinator
 from kvpool.metadata import LoadSpec, RequestDelta
@@ -33,6 +34,7 @@ class SchedulerStats:
     lookup_failures: int = 0
     loads: int = 0
     load_tokens: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -69,11 +71,18 @@ class SchedulerEngine:
     ) -> None:
         self.coordinator = coordinator
         self.namespaces = [list(spaces) for spaces in namespaces]
+        if len(self.namespaces) != len(coordinator.kinds) or not all(self.namespaces):
+            # a group without key spaces would count every chunk as present: refuse it at start-up
+            raise LayoutError(
+                f"lookup namespaces: {[len(spaces) for spaces in self.namespaces]} key spaces per group "
+                f"for {len(coordinator.kinds)} groups; expected at least one key space for every group"
+            )
         self.exists = exists
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
         self._lookups: dict[str, _Lookup] = {}
         self._trackers: dict[str, _Tracker] = {}
+        self._load_failed: set[str] = set()  # never offer these requests a pool hit again
         self._executor: ThreadPoolExecutor | None = None
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -81,6 +90,8 @@ class SchedulerEngine:
     def lookup(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> int | None:
         """Longest pool hit in tokens, strictly below `num_tokens` (at least one token is recomputed).
         None: not known yet, ask again (async mode)."""
+        if req_id in self._load_failed:
+            return 0
         now = time.monotonic()
         cached = self._lookups.get(req_id)
         if cached is not None and cached.num_hashes == len(block_hashes):
@@ -217,18 +228,26 @@ class SchedulerEngine:
             return None
         return delta
 
+    def mark_load_failed(self, req_id: str) -> None:
+        """A load for the request failed: it recomputes, and later lookups must not offer the same hit
+        (the pool still lists the chunks, so the engine would load and fail forever)."""
+        self._load_failed.add(req_id)
+        self._lookups.pop(req_id, None)
+
     def finish(self, req_id: str) -> bool:
         """The request ended. True: a save was issued, so the engine should report when it is done."""
+        self._load_failed.discard(req_id)
         self._lookups.pop(req_id, None)
         tracker = self._trackers.pop(req_id, None)
         return tracker is not None and tracker.save_emitted
 
     def preempt(self, req_id: str) -> None:
+        self.stats.preemptions += 1
         self._lookups.pop(req_id, None)
         self._trackers.pop(req_id, None)
 
     def active_requests(self) -> int:
-        return len(self._trackers) + len(self._lookups)
+        return len(self._trackers) + len(self._lookups) + len(self._load_failed)
 
     def close(self) -> None:
         if self._executor is not None:

@@ -421,7 +421,7 @@ class WorkerEngine:
             table = state.blocks[group]
             for chunk in chunk_range(
                 hit_tokens,
-                len(hashes),
+                hit_tokens // kind.block_size,
                 start_tokens,
                 _tail(masks[group], start_tokens, kind.block_size),
                 1,
@@ -431,10 +431,10 @@ class WorkerEngine:
                 block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
                 if block_id == NULL_BLOCK_ID:
                     continue
+                if chunk >= len(hashes):  # no hash, no key: only blocks this load was to fill fail
+                    failed.append(block_id)
+                    continue
                 items.append(_Item(group, block_id, placement.keys.key(hashes[chunk])))
-            missing_hashes = hit_tokens // kind.block_size - len(hashes)
-            if missing_hashes > 0:
-                failed.extend(b for b in table[len(hashes) : hit_tokens // kind.block_size] if b != NULL_BLOCK_ID)
         with self._lock:
             if failed:
                 self._failed_loads.setdefault(state.req_id, set()).update(failed)
@@ -479,7 +479,14 @@ class WorkerEngine:
                 failed.update(item.block_id for item in items[offset:])
                 break
             dests = [layout.load_pieces(item.group, item.block_id) for item in part]
-            results = self.backend.get_into([item.key for item in part], dests)
+            try:
+                results = self.backend.get_into([item.key for item in part], dests)
+            except Exception:
+                # this batch and the ones not tried are unloaded; earlier batches did load
+                log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
+                failed.update(item.block_id for item in items[offset:])
+                break
+            corrupt: list[str] = []
             for item, dest, result in zip(part, dests, results):
                 if result is Status.OK:
                     layout.commit_load(item.group, item.block_id, dest)
@@ -487,6 +494,12 @@ class WorkerEngine:
                     self.stats.bytes_loaded += layout.chunk_nbytes(item.group)
                 else:
                     failed.add(item.block_id)
+                    if result is Status.SIZE_MISMATCH:
+                        corrupt.append(item.key)
+            if corrupt:
+                # a chunk of the wrong size can never load: drop it so lookups stop offering it
+                log.warning("removing %d pool chunks whose size does not match this engine's blocks", len(corrupt))
+                self.backend.remove(corrupt)
         self.stats.chunks_load_failed += len(failed)
         return failed
 

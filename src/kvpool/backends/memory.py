@@ -27,7 +27,7 @@ class MemoryBackend:
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._items: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._pending: set[str] = set()
+        self._pending: dict[str, int] = {}  # key → bytes reserved by a put still copying
         self._free: dict[int, list[np.ndarray]] = {}
         self._free_bytes = 0
         self._used = 0
@@ -94,6 +94,11 @@ class MemoryBackend:
                     removed += 1
         return removed
 
+    def nbytes_of(self, key: str) -> int | None:
+        with self._lock:
+            stored = self._items.get(key)
+            return None if stored is None else int(stored.size)
+
     def keys(self) -> list[str]:
         """Every stored key, least recently used first."""
         with self._lock:
@@ -104,7 +109,8 @@ class MemoryBackend:
             count = len(self._items)
             self._items.clear()
             self._free.clear()
-            self._used = self._free_bytes = 0
+            self._free_bytes = 0
+            self._used = sum(self._pending.values())  # puts still copying keep their reservation
         return count
 
     def stats(self) -> BackendStats:
@@ -138,7 +144,7 @@ class MemoryBackend:
                 stats.put_failures += 1
                 return Status.FULL  # the rest is held by puts still copying
             self._used += size
-            self._pending.add(key)
+            self._pending[key] = size
             reusable = self._free.get(size)
             if reusable:
                 self._free_bytes -= size
@@ -150,7 +156,7 @@ class MemoryBackend:
 
     def _publish(self, key: str, array: np.ndarray) -> None:
         with self._lock:
-            self._pending.discard(key)
+            self._pending.pop(key, None)
             self._items[key] = array
             self._stats.puts += 1
             self._stats.put_bytes += array.size

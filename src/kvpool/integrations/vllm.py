@@ -49,6 +49,7 @@ log = logging.getLogger("kvpool.vllm")
 
 # In-process engines: the scheduler asks the worker's pool directly instead of over a socket.
 _LOCAL_WORKERS: dict[str, _WorkerSide] = {}
+_LOCAL_SCHEDULERS: dict[str, _SchedulerSide] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -144,8 +145,9 @@ def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: 
     kinds = [attention_kind(group.kv_cache_spec) for group in groups]
     hash_block = kv_cache_config.hash_block_size or min(kind.block_size for kind in kinds)
     retention = config.retention_interval
-    if retention is None:
+    if retention == "engine":
         retention = kv_cache_config.prefix_cache_retention_interval
+    assert retention is None or isinstance(retention, int)
     coordinator = MaskCoordinator(kinds, retention_interval=retention, hash_block_size=hash_block)
     parallel = vllm_config.parallel_config
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
@@ -197,6 +199,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.config = KVPoolConfig.from_dict(transfer.kv_connector_extra_config)
         self.engine_id = transfer.engine_id or "default"
+        if self.config.load_failure_policy == "recompute" and transfer.kv_load_failure_policy != "recompute":
+            # a pool is a cache: a chunk that cannot be loaded is recomputed, never a failed request
+            log.info("kvpool sets kv_load_failure_policy=recompute (load_failure_policy=engine keeps vLLM's)")
+            transfer.kv_load_failure_policy = "recompute"
         self.plan = plan_model(vllm_config, kv_cache_config, self.config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
@@ -390,7 +396,7 @@ class _SchedulerSide:
         self.requests: dict[str, Request] = {}
         self._local_tokens: dict[str, int] = {}
         self._pending_loads: dict[str, Request] = {}
-        self._loading: set[str] = set()
+        self._loading: dict[str, set[int]] = {}  # request → blocks its pending load writes
         self._block_tables: dict[str, tuple[list[int], ...]] = {}
         self._client: LookupClient | None = None
         self._own_backend: Backend | None = None
@@ -407,6 +413,8 @@ class _SchedulerSide:
             ),
         )
         self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
+        with _LOCAL_LOCK:
+            _LOCAL_SCHEDULERS[connector.engine_id] = self
 
     def _choose_lookup(self) -> tuple[Any, bool]:
         """(exists function, whether it leaves this process)."""
@@ -439,7 +447,7 @@ class _SchedulerSide:
         local = self._local_tokens.get(req_id, 0)
         self.core.on_allocated(req_id, request.num_prompt_tokens, local, num_external_tokens)
         self._pending_loads[req_id] = request
-        self._loading.add(req_id)
+        self._loading[req_id] = set()
         self.requests.setdefault(req_id, request)
 
     def _table(self, req_id: str, scheduler_output: SchedulerOutput) -> tuple[list[int], ...] | None:
@@ -456,7 +464,7 @@ class _SchedulerSide:
         for req_id in so.preempted_req_ids or ():
             core.preempt(req_id)
             step.preempted.append(req_id)
-            self._loading.discard(req_id)
+            self._loading.pop(req_id, None)
         for req_id, request in self._pending_loads.items():
             table = self._table(req_id, so)
             if table is None:
@@ -472,7 +480,10 @@ class _SchedulerSide:
             if delta is not None:
                 step.requests.append(delta)
                 if delta.load is not None:
-                    self._note_written(written, table, delta.load.start_tokens)
+                    targets: set[int] = set()
+                    self._note_written(targets, table, delta.load.start_tokens)
+                    self._loading[req_id] = targets
+                    written |= targets
         self._pending_loads.clear()
         spec_tokens = so.scheduled_spec_decode_tokens
         for new in so.scheduled_new_reqs:
@@ -539,8 +550,14 @@ class _SchedulerSide:
         written.discard(0)
 
     def absorb(self, output: KVConnectorOutput) -> None:
+        invalid = output.invalid_block_ids or set()
+        failed = output.failed_recving or set()
+        if invalid or failed:
+            for req_id, targets in self._loading.items():
+                if req_id in failed or not targets.isdisjoint(invalid):
+                    self.core.mark_load_failed(req_id)
         for req_id in output.finished_recving or ():
-            self._loading.discard(req_id)
+            self._loading.pop(req_id, None)
 
     def finished(self, request: Request) -> bool:
         req_id = request.request_id
@@ -548,12 +565,14 @@ class _SchedulerSide:
         self._local_tokens.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
         saving = self.core.finish(req_id)
-        loading = req_id in self._loading
-        self._loading.discard(req_id)
+        loading = self._loading.pop(req_id, None) is not None
         # a pending load still writes into the blocks: vLLM frees them when it reports finished_recving
         return saving or loading
 
     def close(self) -> None:
+        with _LOCAL_LOCK:
+            if _LOCAL_SCHEDULERS.get(self.connector.engine_id) is self:
+                del _LOCAL_SCHEDULERS[self.connector.engine_id]
         self.core.close()
         if self._client is not None:
             self._client.close()
@@ -563,9 +582,18 @@ class _SchedulerSide:
 
 def local_worker(engine_id: str | None = None) -> WorkerEngine | None:
     """The in-process worker engine (tests, demo): by engine id, or the only one."""
+    side = _only(_LOCAL_WORKERS, engine_id)
+    return side.engine if side is not None else None
+
+
+def local_scheduler(engine_id: str | None = None) -> SchedulerEngine | None:
+    """The in-process scheduler engine (tests, demo): by engine id, or the only one."""
+    side = _only(_LOCAL_SCHEDULERS, engine_id)
+    return side.core if side is not None else None
+
+
+def _only(registry: dict[str, Any], engine_id: str | None) -> Any:
     with _LOCAL_LOCK:
         if engine_id is not None:
-            side = _LOCAL_WORKERS.get(engine_id)
-        else:
-            side = next(iter(_LOCAL_WORKERS.values()), None) if len(_LOCAL_WORKERS) == 1 else None
-    return side.engine if side is not None else None
+            return registry.get(engine_id)
+        return next(iter(registry.values())) if len(registry) == 1 else None

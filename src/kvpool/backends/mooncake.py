@@ -1,0 +1,760 @@
+"""The distributed pool: kvpool's Backend protocol over a real Mooncake Store (`mooncake.store`).
+
+Three things shape this file (measured facts in shared/reference/mooncake-store.md):
+- The native client segfaults when used before setup() or after close(), so every native call passes
+  a gate (state + in-flight count) and close() waits for in-flight calls before closing the client.
+- A dead master makes every RPC block ~4.3 s (a hung one: 30 s). A circuit breaker (health_check before
+  each batch, trip on RPC_FAIL) answers "unavailable" at once for a cooldown, then lets a single probe
+  through once a cheap TCP connect shows the master's port open; while one call is stuck, new calls are
+  refused instead of queueing behind it.
+- Mooncake charges ~25 µs per buffer piece over TCP, so values made of many small pieces are staged into
+  one registered contiguous buffer and moved as one piece per key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import ipaddress
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvpool.backends.base import BackendStats, Status, Value
+from kvpool.buffers import as_u8
+from kvpool.errors import BackendUnavailableError, ConfigError
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+INSTALL_HINT = "pip install 'kvpool[mooncake]' (and on Debian/Ubuntu: apt-get install libibverbs1)"
+SMALL_PIECE_BYTES = 32 << 10  # below this a piece costs more per-piece overhead than bytes over TCP
+MASTER_PROBE_TIMEOUT_S = 0.5
+_U8 = np.dtype(np.uint8)
+CLOSE_DRAIN_TIMEOUT_S = 70.0  # longer than two 30 s RPC timeouts of a hung master
+STALL_GRACE_S = 1.0  # metadata RPCs take < 10 ms; a call past this (plus its transfer time) is stuck
+STALL_MIN_BYTES_PER_S = 100e6  # 8x below TCP loopback: a slow but moving transfer is not a stall
+
+
+class MooncakeErrorCode(enum.IntEnum):
+    """Mooncake's ErrorCode (mooncake-store/include/types.h); calls return these as negative ints."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SHARD_INDEX_OUT_OF_RANGE = -100
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_VERSION = -300
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    OBJECT_HAS_REPLICATION_TASK = -708
+    OBJECT_NO_REPLICATION_TASK = -709
+    REPLICA_NOT_FOUND = -710
+    REPLICA_ALREADY_EXISTS = -711
+    REPLICA_IS_GONE = -712
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    ETCD_OPERATION_ERROR = -1000
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+    @classmethod
+    def describe(cls, code: int) -> str:
+        try:
+            return f"{cls(code).name} ({code})"
+        except ValueError:
+            return f"mooncake error {code}"
+
+
+_RPC_FAILURES = frozenset({MooncakeErrorCode.RPC_FAIL, MooncakeErrorCode.RPC_TIMEOUT})
+_CODE_STATUS: dict[int, Status] = {
+    MooncakeErrorCode.NO_AVAILABLE_HANDLE: Status.FULL,
+    MooncakeErrorCode.OBJECT_NOT_FOUND: Status.MISSING,
+    MooncakeErrorCode.RPC_FAIL: Status.UNAVAILABLE,
+    MooncakeErrorCode.RPC_TIMEOUT: Status.UNAVAILABLE,
+}
+
+
+def status_of(code: int, *, reading: bool = False) -> Status:
+    """The kvpool status of one Mooncake return code. INVALID_PARAMS on a read means the destination
+    does not match the stored size; on a write it is a rejected value."""
+    if code >= 0:
+        return Status.OK
+    if reading and code == MooncakeErrorCode.INVALID_PARAMS:
+        return Status.SIZE_MISMATCH
+    return _CODE_STATUS.get(code, Status.ERROR)
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
+MAX_SEGMENT_BYTES = 1 << 40  # Mooncake's MAX_SEGMENT_SIZE
+MIN_SEGMENT_BYTES = 1 << 10  # Mooncake's MIN_SEGMENT_SIZE
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string like "256MB", "3g", "1 GiB" (binary units, as Mooncake reads them)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = _SIZE_PATTERN.match(value)
+        if match:
+            number, unit = match.groups()
+            return int(float(number) * _SIZE_UNITS[unit.lower()])
+    raise ConfigError(key, value, 'a byte count: a non-negative int or a string like "256MB" or "1GiB"')
+
+
+def _master_endpoint(value: Any) -> tuple[str, int]:
+    allowed = 'a master RPC address "host:port", e.g. "127.0.0.1:50051"'
+    if not isinstance(value, str):
+        raise ConfigError("master", value, allowed)
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError("master", value, allowed)
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MooncakeOptions:
+    master: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 1 << 30  # memory this client adds to the pool; 0 = pure client
+    local_buffer_size: int = 16 << 20  # only Mooncake's bytes API uses it; kvpool moves data zero-copy
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    setup_retries: int = 1  # x ~4.4 s when no master answers (Mooncake's own default is 20)
+    prefer_local_segment: bool = True
+    replica_num: int = 1
+    breaker_cooldown_s: float = 2.0
+    staging_bytes: int = 64 << 20
+
+    @classmethod
+    def allowed_keys(cls) -> list[str]:
+        return [field.name for field in fields(cls)]
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> MooncakeOptions:
+        """Validate user options; every bad value raises ConfigError naming the key."""
+        unknown = sorted(set(options) - set(cls.allowed_keys()))
+        if unknown:
+            raise ConfigError(unknown[0], options[unknown[0]], f"one of the mooncake options {cls.allowed_keys()}")
+        merged = {**{f.name: f.default for f in fields(cls)}, **options}
+        _master_endpoint(merged["master"])
+        metadata = merged["metadata_server"]
+        if not (isinstance(metadata, str) and (metadata == "P2PHANDSHAKE" or metadata.startswith(_METADATA_SCHEMES))):
+            raise ConfigError("metadata_server", metadata, f'"P2PHANDSHAKE" or a URL starting with {_METADATA_SCHEMES}')
+        if not isinstance(merged["local_hostname"], str) or not merged["local_hostname"].strip():
+            raise ConfigError("local_hostname", merged["local_hostname"], "this host's address, e.g. 127.0.0.1")
+        segment = parse_size("global_segment_size", merged["global_segment_size"])
+        if segment and not MIN_SEGMENT_BYTES <= segment <= MAX_SEGMENT_BYTES:
+            raise ConfigError("global_segment_size", merged["global_segment_size"], "0 or between 1 KiB and 1 TiB")
+        if merged["protocol"] not in ("tcp", "rdma"):
+            raise ConfigError("protocol", merged["protocol"], '"tcp" or "rdma"')
+        if not isinstance(merged["rdma_devices"], str):
+            raise ConfigError("rdma_devices", merged["rdma_devices"], 'a comma-separated device list, or "" for auto')
+        for key in ("setup_retries", "replica_num"):
+            if not isinstance(merged[key], int) or isinstance(merged[key], bool) or merged[key] < 1:
+                raise ConfigError(key, merged[key], "an integer >= 1")
+        if not isinstance(merged["prefer_local_segment"], bool):
+            raise ConfigError("prefer_local_segment", merged["prefer_local_segment"], "true or false")
+        cooldown = merged["breaker_cooldown_s"]
+        if not isinstance(cooldown, (int, float)) or isinstance(cooldown, bool) or not 0 < cooldown <= 3600:
+            raise ConfigError("breaker_cooldown_s", cooldown, "seconds, > 0 and <= 3600")
+        return cls(
+            master=merged["master"].strip(),
+            metadata_server=metadata,
+            local_hostname=merged["local_hostname"].strip(),
+            global_segment_size=segment,
+            local_buffer_size=parse_size("local_buffer_size", merged["local_buffer_size"]),
+            protocol=merged["protocol"],
+            rdma_devices=merged["rdma_devices"],
+            setup_retries=merged["setup_retries"],
+            prefer_local_segment=merged["prefer_local_segment"],
+            replica_num=merged["replica_num"],
+            breaker_cooldown_s=float(cooldown),
+            staging_bytes=parse_size("staging_bytes", merged["staging_bytes"]),
+        )
+
+
+def load_store_module() -> Any:
+    """`mooncake.store`, imported on first use so kvpool works without Mooncake installed."""
+    try:
+        from mooncake import store
+    except (ImportError, OSError) as exc:  # OSError: libibverbs.so.1 missing on some loaders
+        raise BackendUnavailableError(
+            f"the mooncake backend needs the Mooncake store client: {INSTALL_HINT}; "
+            f"importing mooncake.store failed: {exc}"
+        ) from exc
+    return store
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+class _Route(enum.Enum):
+    SINGLE = "single"  # one piece: moved in place with batch_put_from / batch_get_into
+    STAGED = "staged"  # small pieces: packed into the staging buffer, one piece per key
+    MULTI = "multi"  # large pieces: batch_*_multi_buffers, one transfer per piece
+
+
+class _Batch:
+    """The pieces of every value in one call as uint8 views (which keep the caller's memory alive for
+    the call), split by route. Pointers are taken only for routes that hand them to Mooncake: reading
+    `.ctypes.data` costs ~0.8 µs a piece, more than staging the piece."""
+
+    def __init__(self, keys: Sequence[str], values: Sequence[Value], writable: bool, staging_bytes: int) -> None:
+        self.views: list[list[np.ndarray]] = []
+        self.sizes: list[list[int]] = []
+        self.totals: list[int] = []
+        self.routes: dict[_Route, list[int]] = {_Route.SINGLE: [], _Route.STAGED: [], _Route.MULTI: []}
+        self.invalid: list[int] = []  # empty key or empty value
+        for index, (key, value) in enumerate(zip(keys, values)):
+            views = self._views(value, writable)
+            sizes = [view.size for view in views]
+            total = sum(sizes)
+            self.views.append(views)
+            self.sizes.append(sizes)
+            self.totals.append(total)
+            if not key or not total:
+                self.invalid.append(index)
+            elif len(sizes) == 1:
+                self.routes[_Route.SINGLE].append(index)
+            elif total <= staging_bytes and min(sizes) < SMALL_PIECE_BYTES:
+                self.routes[_Route.STAGED].append(index)
+            else:
+                self.routes[_Route.MULTI].append(index)
+
+    def ptrs(self, index: int) -> list[int]:
+        return [view.ctypes.data for view in self.views[index]]
+
+    @staticmethod
+    def _views(value: Value, writable: bool) -> list[np.ndarray]:
+        views = []
+        for piece in value:
+            # the engine's common case skips as_u8's general path (~1 µs a piece)
+            if type(piece) is np.ndarray and piece.dtype is _U8 and piece.ndim == 1 and piece.flags.c_contiguous:
+                view = piece
+            else:
+                view = as_u8(piece)
+            if writable and not view.flags.writeable:
+                raise TypeError("a destination piece is read-only")
+            if view.size:  # Mooncake skips empty pieces; drop them before they reach a pointer list
+                views.append(view)
+        return views
+
+
+def _duplicates(keys: Sequence[str], indices: list[int]) -> dict[int, int]:
+    """Later occurrences of a key -> the index of its first one, whose status they share.
+    Mooncake lets the last duplicate win within a batch; kvpool's contract is the first, as across calls."""
+    first: dict[str, int] = {}
+    duplicates: dict[int, int] = {}
+    for index in indices:
+        seen = first.setdefault(keys[index], index)
+        if seen != index:
+            duplicates[index] = seen
+    return duplicates
+
+
+def _pack(totals: list[int], indices: list[int], capacity: int) -> list[list[int]]:
+    """Split indices into consecutive rounds whose totals fit the staging buffer."""
+    rounds: list[list[int]] = [[]]
+    used = 0
+    for index in indices:
+        if used + totals[index] > capacity and rounds[-1]:
+            rounds.append([])
+            used = 0
+        rounds[-1].append(index)
+        used += totals[index]
+    return [r for r in rounds if r]
+
+
+# ---------------------------------------------------------------------------------------------- gate
+
+
+class _State(enum.Enum):
+    READY = "ready"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class _Gate:
+    """Decides whether a native call may run: the client's lifecycle state, a circuit breaker and a
+    stall guard, plus the count of calls in flight that close() waits for.
+
+    Breaker: closed -> open (for the cooldown) when health_check() is not 0 or a call returns an RPC
+    failure; after the cooldown one call, the probe, goes through once a TCP connect shows the master's
+    port open; its success closes the breaker, its failure reopens it.
+    Stall guard: while a call has overrun its expected duration (a hung or dying master holds every RPC
+    for 4.3-30 s), new calls are refused instead of queueing behind it.
+    """
+
+    REFUSED = 0  # admit()'s answer when the call must not run
+
+    def __init__(self, cooldown_s: float, master_reachable: Callable[[], bool]) -> None:
+        self._cooldown_s = cooldown_s
+        self._master_reachable = master_reachable
+        self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
+        self._health: Callable[[], int] = lambda: 1
+        self.state = _State.CLOSED
+        self._deadlines: dict[int, float] = {}  # ticket of each call in flight -> when it looks stalled
+        self._next_ticket = 1
+        self._open_until = 0.0  # 0 = breaker closed, else the monotonic time its cooldown ends
+        self._probe = 0  # ticket of the probe in flight
+        self.epoch = 0
+
+    def start(self, health: Callable[[], int]) -> None:
+        with self._lock:
+            self._health = health
+            self.state = _State.READY
+
+    def admit(self, nbytes: int = 0) -> int:
+        """A ticket for one native call (release it!), or REFUSED."""
+        with self._lock:
+            if self.state is not _State.READY:
+                return self.REFUSED
+            now = time.monotonic()
+            probe = bool(self._open_until)
+            if probe and (self._probe or now < self._open_until):
+                return self.REFUSED
+            if self._stalled(now):
+                return self.REFUSED
+            if self._health() != 0:
+                self._trip("health_check reports the master unreachable")
+                return self.REFUSED
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._deadlines[ticket] = now + STALL_GRACE_S + nbytes / STALL_MIN_BYTES_PER_S
+            if probe:
+                self._probe = ticket
+        if probe and not self._master_reachable():
+            # a real call would stall in Mooncake's reconnect loop; a refused connect costs ~0.1 ms
+            self.release(ticket, "the master's port is closed")
+            return self.REFUSED
+        return ticket
+
+    def release(self, ticket: int, failure: str | None, finished: bool = True) -> None:
+        """`failure`: why the master looks gone (trips the breaker); `finished` False: the call raised."""
+        with self._lock:
+            del self._deadlines[ticket]
+            was_probe = ticket == self._probe
+            if was_probe:
+                self._probe = 0
+            if failure is not None:
+                self._trip(failure)
+            elif was_probe and finished:
+                self._open_until = 0.0
+                log.warning("mooncake: the master answers again; breaker closed")
+            if not self._deadlines and self.state is _State.CLOSING:
+                self._drained.notify_all()
+
+    def healthy(self) -> bool:
+        with self._lock:
+            if self.state is not _State.READY:
+                return False
+            now = time.monotonic()
+            if (self._open_until and now < self._open_until) or self._stalled(now):
+                return False
+            return self._health() == 0
+
+    def begin_close(self, drain_timeout_s: float) -> bool | None:
+        """Refuse new calls and wait for those in flight. None: already closing or closed; else whether
+        every call finished (closing the client under a running call would crash it)."""
+        with self._lock:
+            if self.state is not _State.READY:
+                return None
+            self.state = _State.CLOSING
+            return self._drained.wait_for(lambda: not self._deadlines, drain_timeout_s)
+
+    def end_close(self) -> None:
+        with self._lock:
+            self.state = _State.CLOSED
+            self._health = lambda: 1
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._deadlines)
+
+    def _stalled(self, now: float) -> bool:
+        return bool(self._deadlines) and now > min(self._deadlines.values())
+
+    def _trip(self, reason: str) -> None:
+        if not self._open_until:
+            self.epoch += 1
+            log.warning("mooncake: breaker open, retrying every %.1f s: %s", self._cooldown_s, reason)
+        self._open_until = time.monotonic() + self._cooldown_s
+
+
+# ---------------------------------------------------------------------------------------------- backend
+
+
+class MooncakeBackend:
+    """Backend over one MooncakeDistributedStore client. Thread-safe; every fault answers as a miss."""
+
+    name = "mooncake"
+
+    def __init__(self, options: MooncakeOptions | None = None) -> None:
+        self.options = options or MooncakeOptions()
+        self._master_host, self._master_port = _master_endpoint(self.options.master)
+        self._gate = _Gate(self.options.breaker_cooldown_s, self._master_reachable)
+        self._stats = BackendStats(name=self.name, capacity_bytes=self.options.global_segment_size)
+        self._stats_lock = threading.Lock()
+        self._staging_lock = threading.Lock()
+        self._staging = np.empty(0, dtype=np.uint8)
+        self._store: Any = None
+        self._replicate: Any = None
+        self.segment_name = ""
+        self._connect()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> MooncakeBackend:
+        return cls(MooncakeOptions.parse(options))
+
+    # -- lifecycle
+
+    def _connect(self) -> None:
+        store_module = load_store_module()
+        opts = self.options
+        os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = str(opts.setup_retries)  # read by setup(), not at import
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        if opts.protocol == "tcp" and _is_ip_literal(opts.local_hostname):
+            # the address the client advertises to peers; without it Mooncake picks the first non-lo interface
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", opts.local_hostname)
+        store = store_module.MooncakeDistributedStore()
+        code = store.setup(
+            opts.local_hostname,
+            opts.metadata_server,
+            opts.global_segment_size,
+            opts.local_buffer_size,
+            opts.protocol,
+            opts.rdma_devices,
+            opts.master,
+        )
+        if code != 0:
+            hint = "" if self._master_reachable() else " (nothing listens there: start one with `kvpool master`)"
+            raise BackendUnavailableError(
+                f"mooncake client setup against master {opts.master}{hint} failed: {MooncakeErrorCode.describe(code)}"
+            )
+        self._store = store
+        self.segment_name = store.get_hostname()
+        self._replicate = store_module.ReplicateConfig()
+        self._replicate.replica_num = opts.replica_num
+        if opts.prefer_local_segment and opts.global_segment_size > 0:
+            self._replicate.preferred_segment = self.segment_name  # memcpy instead of TCP, ~4x faster
+        if opts.staging_bytes:
+            self._staging = np.empty(opts.staging_bytes, dtype=np.uint8)
+            code = store.register_buffer(self._staging.ctypes.data, self._staging.size)
+            if code != 0:  # optional on TCP; RDMA transfers from it would fail
+                log.warning("mooncake: registering the staging buffer failed: %s", MooncakeErrorCode.describe(code))
+        self._gate.start(store.health_check)
+
+    def close(self) -> None:
+        """Idempotent. Afterwards every call answers unavailable without touching the native client."""
+        drained = self._gate.begin_close(CLOSE_DRAIN_TIMEOUT_S)
+        if drained is None:
+            return
+        if drained:
+            self._store.close()
+        else:
+            log.warning(
+                "mooncake: %d calls still in flight after %.0f s; leaving the native client open",
+                self._gate.in_flight(),
+                CLOSE_DRAIN_TIMEOUT_S,
+            )
+        self._gate.end_close()
+
+    @property
+    def closed(self) -> bool:
+        return self._gate.state is not _State.READY
+
+    @property
+    def epoch(self) -> int:
+        """Bumped each time the breaker trips: the master may have restarted and lost every object, so
+        anything a caller remembers as stored before the bump must not be trusted."""
+        return self._gate.epoch
+
+    def healthy(self) -> bool:
+        return self._gate.healthy()
+
+    def _master_reachable(self) -> bool:
+        return _port_open(self._master_host, self._master_port)
+
+    def _guarded(
+        self, operation: Callable[[], _T], failure_of: Callable[[_T], str | None], nbytes: int = 0
+    ) -> _T | None:
+        """Run one native operation if the gate admits it; None if refused."""
+        ticket = self._gate.admit(nbytes)
+        if ticket == _Gate.REFUSED:
+            return None
+        try:
+            result = operation()
+        except BaseException:
+            self._gate.release(ticket, None, finished=False)
+            raise
+        self._gate.release(ticket, failure_of(result))
+        return result
+
+    # -- protocol
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        keys = list(keys)
+        codes = self._guarded(lambda: self._store.batch_is_exist(keys), _rpc_failure)
+        if codes is None:
+            return [False] * len(keys)
+        return [code == 1 for code in codes]
+
+    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+        if len(keys) != len(values):
+            raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
+        if not keys:
+            return []
+        batch = _Batch(keys, values, writable=False, staging_bytes=self.options.staging_bytes)
+        results = [Status.UNAVAILABLE] * len(keys)
+        for index in batch.invalid:
+            results[index] = Status.ERROR
+        self._guarded(lambda: self._put_admitted(keys, batch, results), _identity, sum(batch.totals))
+        self._count_puts(batch, results)
+        return results
+
+    def get_into(self, keys: Sequence[str], dests: Sequence[Value]) -> list[Status]:
+        if len(keys) != len(dests):
+            raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
+        if not keys:
+            return []
+        batch = _Batch(keys, dests, writable=True, staging_bytes=self.options.staging_bytes)
+        results = [Status.UNAVAILABLE] * len(keys)
+        for index in batch.invalid:
+            # an empty destination cannot match a stored value; an empty key cannot name one
+            results[index] = Status.MISSING if not keys[index] else Status.SIZE_MISMATCH
+        self._guarded(lambda: self._get_admitted(keys, batch, results), _identity, sum(batch.totals))
+        self._count_gets(batch, results)
+        return results
+
+    def remove(self, keys: Sequence[str]) -> int:
+        """Forced: a read lease (granted by every get or exists for 10 s) would otherwise block it."""
+        keys = [key for key in keys if key]
+        if not keys:
+            return 0
+        codes = self._guarded(lambda: self._store.batch_remove(keys, True), _rpc_failure)
+        return 0 if codes is None else sum(1 for code in codes if code == 0)
+
+    def clear(self) -> int:
+        count = self._guarded(lambda: self._store.remove_all(True), lambda count: _rpc_failure([count]))
+        return max(count or 0, 0)
+
+    def stats(self) -> BackendStats:
+        """Counters of this client's calls. used_bytes / keys / evictions live on the master (its
+        /metrics endpoint) and are not fetched here: stats() does no I/O."""
+        with self._stats_lock:
+            return BackendStats(**vars(self._stats))
+
+    def register_memory(self, buffer: Any) -> bool:
+        """Register caller memory (e.g. the engine's KV tensors) with the transfer engine. Optional on
+        TCP; RDMA can only move single- and multi-piece values from registered memory."""
+        view = as_u8(buffer)
+        code = self._guarded(lambda: self._store.register_buffer(view.ctypes.data, view.size), lambda _: None)
+        return code == 0
+
+    def __repr__(self) -> str:
+        state = self._gate.state.value
+        return f"MooncakeBackend(master={self.options.master!r}, segment={self.segment_name!r}, {state})"
+
+    # -- transfers (only called while admitted)
+
+    def _put_admitted(self, keys: Sequence[str], batch: _Batch, results: list[Status]) -> str | None:
+        store, config = self._store, self._replicate
+        valid = [i for indices in batch.routes.values() for i in indices]
+        duplicates = _duplicates(keys, sorted(valid))
+        failure: str | None = None
+        for route, indices in batch.routes.items():
+            unique = [i for i in indices if i not in duplicates]
+            if not unique or failure is not None:
+                continue
+            if route is _Route.STAGED and self._staging_lock.acquire(blocking=False):
+                try:
+                    failure = self._put_staged(keys, batch, unique, results)
+                finally:
+                    self._staging_lock.release()
+            elif route is _Route.SINGLE:
+                codes = store.batch_put_from(
+                    [keys[i] for i in unique],
+                    [batch.views[i][0].ctypes.data for i in unique],
+                    [batch.totals[i] for i in unique],
+                    config,
+                )
+                failure = self._record(codes, unique, results, reading=False)
+            else:  # multi, or staged while another thread holds the staging buffer
+                codes = store.batch_put_from_multi_buffers(
+                    [keys[i] for i in unique],
+                    [batch.ptrs(i) for i in unique],
+                    [batch.sizes[i] for i in unique],
+                    config,
+                )
+                failure = self._record(codes, unique, results, reading=False)
+        for index, first in duplicates.items():
+            results[index] = results[first]
+        return failure
+
+    def _put_staged(self, keys: Sequence[str], batch: _Batch, indices: list[int], results: list[Status]) -> str | None:
+        staging = self._staging
+        base = staging.ctypes.data
+        for round_indices in _pack(batch.totals, indices, staging.size):
+            offsets = []
+            offset = 0
+            for index in round_indices:
+                total = batch.totals[index]
+                np.concatenate(batch.views[index], out=staging[offset : offset + total])
+                offsets.append(base + offset)
+                offset += total
+            codes = self._store.batch_put_from(
+                [keys[i] for i in round_indices], offsets, [batch.totals[i] for i in round_indices], self._replicate
+            )
+            failure = self._record(codes, round_indices, results, reading=False)
+            if failure is not None:
+                return failure
+        return None
+
+    def _get_admitted(self, keys: Sequence[str], batch: _Batch, results: list[Status]) -> str | None:
+        store = self._store
+        failure: str | None = None
+        for route, indices in batch.routes.items():
+            if not indices or failure is not None:
+                continue
+            if route is _Route.STAGED and self._staging_lock.acquire(blocking=False):
+                try:
+                    failure = self._get_staged(keys, batch, indices, results)
+                finally:
+                    self._staging_lock.release()
+            elif route is _Route.SINGLE:
+                codes = store.batch_get_into(
+                    [keys[i] for i in indices],
+                    [batch.views[i][0].ctypes.data for i in indices],
+                    [batch.totals[i] for i in indices],
+                )
+                failure = self._record_reads(codes, batch, indices, results)
+            else:
+                codes = store.batch_get_into_multi_buffers(
+                    [keys[i] for i in indices], [batch.ptrs(i) for i in indices], [batch.sizes[i] for i in indices]
+                )
+                failure = self._record_reads(codes, batch, indices, results)
+                self._explain_transfer_failures(keys, batch, indices, codes, results)
+        return failure
+
+    def _get_staged(self, keys: Sequence[str], batch: _Batch, indices: list[int], results: list[Status]) -> str | None:
+        staging = self._staging
+        base = staging.ctypes.data
+        for round_indices in _pack(batch.totals, indices, staging.size):
+            starts = []
+            offset = 0
+            for index in round_indices:
+                starts.append(offset)
+                offset += batch.totals[index]
+            codes = self._store.batch_get_into(
+                [keys[i] for i in round_indices],
+                [base + start for start in starts],
+                [batch.totals[i] for i in round_indices],
+            )
+            failure = self._record_reads(codes, batch, round_indices, results)
+            for index, start in zip(round_indices, starts):
+                if results[index] is Status.OK:  # scatter only what arrived whole
+                    for view, size in zip(batch.views[index], batch.sizes[index]):
+                        np.copyto(view, staging[start : start + size])
+                        start += size
+            if failure is not None:
+                return failure
+        return None
+
+    def _explain_transfer_failures(
+        self, keys: Sequence[str], batch: _Batch, indices: list[int], codes: list[int], results: list[Status]
+    ) -> None:
+        # multi-buffer reads report destinations larger than the object as TRANSFER_FAIL, like a dead peer
+        for index, code in zip(indices, codes):
+            if code == MooncakeErrorCode.TRANSFER_FAIL:
+                size = self._store.get_size(keys[index])
+                if size >= 0 and size != batch.totals[index]:
+                    results[index] = Status.SIZE_MISMATCH
+
+    @staticmethod
+    def _record(codes: list[int], indices: list[int], results: list[Status], reading: bool) -> str | None:
+        for index, code in zip(indices, codes):
+            results[index] = status_of(code, reading=reading)
+        return _rpc_failure(codes)
+
+    @staticmethod
+    def _record_reads(codes: list[int], batch: _Batch, indices: list[int], results: list[Status]) -> str | None:
+        for index, code in zip(indices, codes):
+            if code >= 0:
+                # a destination larger than the object reads fine and returns the smaller byte count
+                results[index] = Status.OK if code == batch.totals[index] else Status.SIZE_MISMATCH
+            else:
+                results[index] = status_of(code, reading=True)
+        return _rpc_failure(codes)
+
+    def _count_puts(self, batch: _Batch, results: list[Status]) -> None:
+        stored = [i for i, status in enumerate(results) if status is Status.OK]
+        with self._stats_lock:
+            self._stats.puts += len(stored)
+            self._stats.put_bytes += sum(batch.totals[i] for i in stored)
+            self._stats.put_failures += len(results) - len(stored)
+
+    def _count_gets(self, batch: _Batch, results: list[Status]) -> None:
+        hits = [i for i, status in enumerate(results) if status is Status.OK]
+        mismatches = sum(1 for status in results if status is Status.SIZE_MISMATCH)
+        with self._stats_lock:
+            self._stats.gets += len(hits)
+            self._stats.hits += len(hits)
+            self._stats.get_bytes += sum(batch.totals[i] for i in hits)
+            self._stats.misses += len(results) - len(hits) - mismatches
+
+
+def _identity(failure: str | None) -> str | None:
+    return failure
+
+
+def _rpc_failure(codes: Sequence[int]) -> str | None:
+    for code in codes:
+        if code in _RPC_FAILURES:
+            return f"a call returned {MooncakeErrorCode.describe(code)}"
+    return None
+
+
+def _port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=MASTER_PROBE_TIMEOUT_S):
+        return True
+    return False
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,157 @@
+"""Tiny random Hugging Face checkpoints for real-engine tests, written locally (no download).
+
+``make_tiny_model(kind, directory)`` writes a ~1M-parameter bf16 checkpoint that vLLM's CPU
+backend can load. The configs follow ``shared/reference/vllm-cpu-testing.md`` §3 and §11:
+
+* ``llama``  -- ``LlamaForCausalLM``; ``initializer_range=0.1`` (HF's default 0.02 makes a tiny
+  Llama collapse into a few repeated tokens that ignore the context, so a load test could not
+  fail).
+* ``gemma2`` -- ``Gemma2ForCausalLM``; sliding/full attention alternating, ``sliding_window=64``.
+* ``gemma3`` -- ``Gemma3ForCausalLM`` (``Gemma3TextConfig``), ``sliding_window_pattern=2``
+  (layers 0, 2 sliding; 1, 3 full), ``sliding_window=64``.
+
+Gemma models tie the embeddings (vLLM has no ``lm_head`` for them otherwise) and keep the 0.02
+init, at which they are context-sensitive (they collapse at 0.1). ``head_dim`` is 64: the CPU
+attention backend supports only a fixed set of head sizes. Prompt token ids should be >= 3
+(0/1/2 are bos/eos/pad).
+
+Writing is idempotent and crash-safe: the checkpoint is written into a temporary sibling
+directory and renamed into place, and an existing complete model is reused as is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL_KINDS", "default_model_dir", "is_complete_model", "make_tiny_model", "model_config"]
+
+MODEL_KINDS = ("llama", "gemma2", "gemma3")
+
+# Bumped whenever the generated weights/config change, so cached models are rebuilt.
+_FORMAT_VERSION = 1
+_MARKER = "kvpool_tiny_model.json"
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+}
+
+
+def default_model_dir() -> Path:
+    """Where tiny models are cached: ``$KVPOOL_MODEL_DIR`` or ``~/.cache/kvpool/models``."""
+    env = os.environ.get("KVPOOL_MODEL_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "kvpool" / "models"
+
+
+def model_config(kind: str) -> tuple[str, dict[str, Any]]:
+    """(transformers config class name, config kwargs) for a tiny model ``kind``."""
+    if kind == "llama":
+        return "LlamaConfig", {**_COMMON, "initializer_range": 0.1, "tie_word_embeddings": False}
+    if kind == "gemma2":
+        return "Gemma2Config", {
+            **_COMMON,
+            "sliding_window": 64,
+            "tie_word_embeddings": True,
+            "initializer_range": 0.02,
+            "query_pre_attn_scalar": 64,
+        }
+    if kind == "gemma3":
+        return "Gemma3TextConfig", {
+            **_COMMON,
+            "sliding_window": 64,
+            "sliding_window_pattern": 2,
+            "tie_word_embeddings": True,
+            "initializer_range": 0.02,
+            "query_pre_attn_scalar": 64,
+        }
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {MODEL_KINDS}")
+
+
+def _marker_payload(kind: str, seed: int) -> dict[str, Any]:
+    return {"kind": kind, "seed": seed, "format": _FORMAT_VERSION}
+
+
+def is_complete_model(path: Path, kind: str | None = None, seed: int | None = None) -> bool:
+    """True if ``path`` holds a checkpoint written completely by :func:`make_tiny_model`
+    (optionally for this ``kind`` / ``seed``)."""
+    marker = path / _MARKER
+    if not (marker.is_file() and (path / "config.json").is_file()):
+        return False
+    if not any(path.glob("*.safetensors")):
+        return False
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if meta.get("format") != _FORMAT_VERSION:
+        return False
+    if kind is not None and meta.get("kind") != kind:
+        return False
+    return seed is None or meta.get("seed") == seed
+
+
+def make_tiny_model(kind: str, directory: Path | str, *, seed: int = 0) -> Path:
+    """Write (or reuse) a tiny random ``kind`` checkpoint at ``directory/<kind>-s<seed>``.
+
+    Returns the model directory, loadable with ``vllm.LLM(model=str(path))``. Takes ~3-4 s the
+    first time; later calls with the same arguments return immediately.
+    """
+    _, cfg_kwargs = model_config(kind)  # validates kind before any heavy import
+    directory = Path(directory).expanduser()
+    target = directory / f"{kind}-s{seed}"
+    if is_complete_model(target, kind, seed):
+        return target
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-s{seed}.", suffix=".tmp", dir=directory))
+    try:
+        _write_checkpoint(kind, cfg_kwargs, tmp, seed)
+        (tmp / _MARKER).write_text(json.dumps(_marker_payload(kind, seed)))
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the cache may be shared
+        if target.exists():
+            if is_complete_model(target, kind, seed):  # a concurrent writer finished first
+                return target
+            shutil.rmtree(target)  # stale or half-written by an older version
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if is_complete_model(target, kind, seed):  # lost a rename race to another writer
+                return target
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_checkpoint(kind: str, cfg_kwargs: dict[str, Any], out: Path, seed: int) -> None:
+    import torch
+    import transformers
+
+    cfg_cls_name, _ = model_config(kind)
+    config = getattr(transformers, cfg_cls_name)(**cfg_kwargs)
+    model_cls: Any = {
+        "llama": transformers.LlamaForCausalLM,
+        "gemma2": transformers.Gemma2ForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
+    }[kind]
+    torch.manual_seed(seed)
+    model: Any = model_cls(config)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)

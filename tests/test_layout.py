@@ -1,0 +1,98 @@
+"""KVLayout: block pieces per group, shared storages, staging, bad shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.errors import LayoutError
+from kvpool.layout import KVLayout
+
+
+def joined(pieces: list) -> bytes:  # type: ignore[type-arg]
+    return b"".join(np.asarray(p).reshape(-1).view(np.uint8).tobytes() for p in pieces)
+
+
+def test_blocks_first_and_kv_outer_layers() -> None:
+    num_blocks = 6
+    first = np.arange(num_blocks * 8, dtype=np.uint16).reshape(num_blocks, 2, 4)  # 16 B per block
+    outer = np.arange(2 * num_blocks * 3, dtype=np.float32).reshape(2, num_blocks, 3)  # 2 × 12 B per block
+    other = np.full((num_blocks, 5), 7, dtype=np.uint8)
+    layout = KVLayout({"a": first, "b": outer, "c": other}, {"a": 0, "b": 0, "c": 1}, num_blocks)
+    assert layout.num_groups == 2
+    assert [spec.kv_outer for spec in layout.layers] == [False, True, False]
+    assert layout.chunk_nbytes(0) == 16 + 24
+    assert layout.chunk_nbytes(1) == 5
+    assert not layout.staged
+    pieces = layout.save_pieces(0, 3)
+    assert joined(pieces) == first[3].tobytes() + outer[0, 3].tobytes() + outer[1, 3].tobytes()
+    assert joined(layout.save_pieces(1, 2)) == other[2].tobytes()
+    # host pieces are views: writing a load piece writes the engine's tensor
+    dest = layout.load_pieces(0, 5)
+    for piece in dest:
+        piece[:] = 0xAB
+    layout.commit_load(0, 5, dest)
+    assert (first[5] == 0xABAB).all()
+    assert (outer[:, 5].view(np.uint8) == 0xAB).all()
+    assert (first[4] != 0xABAB).any()
+
+
+def test_staged_copy_matches_zero_copy() -> None:
+    num_blocks = 5
+    torch.manual_seed(0)
+    k = torch.randn(2, num_blocks, 4, 3)  # K/V outermost
+    v = torch.randn(num_blocks, 6, dtype=torch.float64)
+    direct = KVLayout({"k": k, "v": v}, {"k": 0, "v": 0}, num_blocks)
+    staged = KVLayout({"k": k, "v": v}, {"k": 0, "v": 0}, num_blocks, staged=True)
+    assert staged.staged and not direct.staged
+    assert direct.chunk_nbytes(0) == staged.chunk_nbytes(0) == 2 * 4 * 3 * 4 + 6 * 8
+    for block in range(1, num_blocks):
+        assert joined(staged.save_pieces(0, block)) == joined(direct.save_pieces(0, block))
+    # a staged load lands in the tensors only at commit
+    want = joined(direct.save_pieces(0, 1))
+    dest = staged.load_pieces(0, 4)
+    assert len(dest) == 1 and dest[0].nbytes == len(want)
+    dest[0][:] = np.frombuffer(want, dtype=np.uint8)
+    assert joined(direct.save_pieces(0, 4)) != want
+    staged.commit_load(0, 4, dest)
+    assert joined(direct.save_pieces(0, 4)) == want
+    assert torch.equal(k[:, 4], k[:, 1]) and torch.equal(v[4], v[1])
+
+
+def test_staged_save_is_a_copy() -> None:
+    tensor = torch.zeros(3, 4, dtype=torch.uint8)
+    layout = KVLayout({"x": tensor}, {"x": 0}, 3, staged=True)
+    tensor[1] = 5
+    pieces = layout.save_pieces(0, 1)
+    tensor[1] = 9  # the engine overwrites the block after the copy
+    assert joined(pieces) == bytes([5] * 4)
+
+
+def test_shared_storage_is_listed_once() -> None:
+    big = np.zeros((4, 2, 8), dtype=np.uint8)
+    layer0, layer1 = big[:, 0], big[:, 1]  # two layers interleaved in one storage: not contiguous per block
+    with pytest.raises(LayoutError, match=r"layer 'l0'.*contiguous"):
+        KVLayout({"l0": layer0, "l1": layer1}, {"l0": 0, "l1": 1}, 4)
+    whole = np.zeros(2 * 4 * 8, dtype=np.uint8)
+    a, b = whole[:32].reshape(4, 8), whole[32:].reshape(4, 8)
+    layout = KVLayout({"a": a, "b": b}, {"a": 0, "b": 1}, 4)
+    assert layout.storages() == [(whole.ctypes.data, whole.nbytes)]
+    t = torch.zeros(2, 4, 8)
+    torch_layout = KVLayout({"x": t[0], "y": t[1]}, {"x": 0, "y": 0}, 4)
+    assert torch_layout.storages() == [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())]
+
+
+def test_bad_layouts() -> None:
+    with pytest.raises(LayoutError, match="no KV tensors"):
+        KVLayout({}, {}, 4)
+    with pytest.raises(LayoutError, match=r"\['b'\]"):
+        KVLayout({"a": np.zeros((4, 2)), "b": np.zeros((4, 2))}, {"a": 0}, 4)
+    with pytest.raises(LayoutError, match="expected"):
+        KVLayout({"a": np.zeros((3, 2))}, {"a": 0}, 4)
+    layout = KVLayout({"a": np.zeros((4, 2), dtype=np.uint8)}, {"a": 0}, 4)
+    for block in (0, 4, -1):  # block 0 is the null block: never saved from or loaded into
+        with pytest.raises(LayoutError, match="outside"):
+            layout.save_pieces(0, block)
+        with pytest.raises(LayoutError, match="outside"):
+            layout.load_pieces(0, block)
