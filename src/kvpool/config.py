@@ -86,6 +86,10 @@ class KVPoolConfig:
         self.capacity_bytes = parse_size("capacity_bytes", self.capacity_bytes)
         if not isinstance(self.mooncake, dict):
             raise ConfigError("mooncake", self.mooncake, "an object of Mooncake settings")
+        if self.backend == "mooncake":
+            from kvpool.backends.mooncake import MooncakeOptions
+
+            MooncakeOptions.parse(self.mooncake)
         for key in ("save_decode", "check_exists_before_put"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, getattr(self, key), "true or false")

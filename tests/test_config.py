@@ -1,0 +1,39 @@
+import pytest
+
+from kvpool.config import KVPoolConfig, parse_size
+from kvpool.errors import ConfigError
+
+
+def test_defaults_and_sizes():
+    config = KVPoolConfig.from_dict({"capacity_bytes": "512MiB", "retention_interval": None})
+    assert config.capacity_bytes == 512 << 20
+    assert config.retention_interval is None
+    assert KVPoolConfig.from_dict(None).backend == "memory"
+    assert parse_size("x", "1.5 GB") == int(1.5 * (1 << 30))
+    assert parse_size("x", 4096) == 4096
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "allowed"),
+    [
+        ({"capacity": 1}, "capacity", "one of the keys"),
+        ({"backend": "redis"}, "backend", "memory, mooncake"),
+        ({"capacity_bytes": "lots"}, "capacity_bytes", "byte count"),
+        ({"capacity_bytes": -1}, "capacity_bytes", "byte count"),
+        ({"save_decode": "yes"}, "save_decode", "true or false"),
+        ({"retention_interval": -64}, "retention_interval", "positive token count"),
+        ({"lookup_timeout_s": 0}, "lookup_timeout_s", "positive number of seconds"),
+        ({"put_batch_chunks": 0}, "put_batch_chunks", "1 to 65536"),
+        ({"lookup_channel": "tcp"}, "lookup_channel", "auto, direct, zmq"),
+        ({"load_failure_policy": "ignore"}, "load_failure_policy", "recompute or engine"),
+        ({"backend": "mooncake", "mooncake": {"master_server_address": "x"}}, "master_server_address", "mooncake"),
+        ({"backend": "mooncake", "mooncake": {"global_segment_size": "huge"}}, "global_segment_size", ""),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_allowed(raw, key, allowed):
+    with pytest.raises(ConfigError) as caught:
+        KVPoolConfig.from_dict(raw)
+    assert caught.value.key == key
+    message = str(caught.value)
+    assert repr(key) in message and allowed in message
+    assert repr(caught.value.value) in message
