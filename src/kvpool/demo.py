@@ -1,10 +1,10 @@
 """`kvpool demo`: a multi-turn chat workload through a real vLLM CPU engine, without and with kvpool.
 
 Several conversations share system prompts; every turn extends the previous prompt with the model's
-answer and a new user message. The engine's own KV cache holds only a few conversations, so without
-the pool most turns recompute their whole history; with it, the history comes back from the pool.
-The run without the pool fixes the workload (its answers build the later prompts), and the run with
-the pool must produce the same tokens for every turn.
+answer and a new user message (the pool stores answers too: `save_decode`). The engine's own KV
+cache holds only a few conversations, so without the pool most turns recompute their history; with
+it, the history comes back from the pool. The run without the pool fixes the workload (its answers
+build the later prompts), and the run with the pool must produce the same tokens for every turn.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ BLOCK_SIZE = 64
 
 @dataclass
 class Workload:
-    system_prompts: int = 3
-    conversations: int = 12
-    turns: int = 4
-    system_tokens: int = 512
-    user_tokens: int = 96
-    answer_tokens: int = 24
-    kv_cache_tokens: int = 4096  # the engine's own cache: a few conversations, not all of them
+    system_prompts: int = 2
+    conversations: int = 8
+    turns: int = 5
+    system_tokens: int = 256
+    user_tokens: int = 128
+    answer_tokens: int = 32
+    kv_cache_tokens: int = 2048  # the engine's own cache: about two conversations, not all eight
     seed: int = 0
+    model_kind: str = DEMO_MODEL_KIND
 
 
 @dataclass
@@ -48,7 +49,7 @@ def run(backend: str = "memory", quiet: bool = False, workload: Workload | None 
     workload = workload or Workload()
     from kvpool.testing.models import default_model_dir, make_tiny_model
 
-    model = make_tiny_model(DEMO_MODEL_KIND, default_model_dir() / DEMO_MODEL_KIND)
+    model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
     rounds = workload.conversations * workload.turns
     with _progress(quiet, total=2 * rounds) as advance, _pool(backend) as extra_config:
         without, prompts = _run_without(model, workload, advance)
@@ -79,10 +80,13 @@ def run(backend: str = "memory", quiet: bool = False, workload: Workload | None 
 def _engine_kwargs(workload: Workload) -> dict[str, Any]:
     from kvpool.testing.models import model_config
 
-    _, config = model_config(DEMO_MODEL_KIND)
-    token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+    _, config = model_config(workload.model_kind)
+    # float32: prefill in bf16 is not bit-exact when a prefix hit splits it differently (near-ties flip),
+    # so "identical outputs" would measure rounding, not kvpool. In float32 it is exact.
+    token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
     max_prompt = workload.system_tokens + workload.turns * (workload.user_tokens + workload.answer_tokens)
     return {
+        "dtype": "float32",
         "block_size": BLOCK_SIZE,
         "kv_cache_memory_bytes": workload.kv_cache_tokens * token_bytes,
         "max_model_len": max_prompt + 2 * BLOCK_SIZE,
@@ -169,7 +173,7 @@ def _percentile(values: list[float], q: int) -> float:
 def _pool(backend: str) -> Iterator[dict[str, Any]]:
     """The connector's extra config; for mooncake, a local master for the run's duration."""
     if backend == "memory":
-        yield {"pool_name": "demo", "capacity_bytes": "1GiB"}
+        yield {"pool_name": "demo", "capacity_bytes": "1GiB", "save_decode": True}
         return
     if backend != "mooncake":
         from kvpool.errors import ConfigError
@@ -179,7 +183,7 @@ def _pool(backend: str) -> Iterator[dict[str, Any]]:
 
     with start_master() as master:
         options = dict(master.backend_options(), global_segment_size="512MiB")
-        yield {"backend": "mooncake", "mooncake": options}
+        yield {"backend": "mooncake", "mooncake": options, "save_decode": True}
 
 
 @contextmanager

@@ -71,6 +71,8 @@ _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Engine construction mutates process-global state (env vars, the worker connector global,
 # torch.distributed); serialise it.
 _CONSTRUCT_LOCK = threading.Lock()
+# In-process engines currently alive (at most one: vLLM's worker connector is process-global).
+_live_inprocess = 0
 
 
 @contextmanager
@@ -101,9 +103,11 @@ def engine(
     :func:`assert_same_greedy` express near-ties in ulps of the model dtype. Greedy tokens do
     not depend on the mode.
 
-    ``multiprocess=False`` (default) runs EngineCore, scheduler and worker in this process;
-    ``True`` spawns EngineCore/worker processes (12-16 s startup on 2 cores). Scripts using
-    ``multiprocess=True`` need an ``if __name__ == "__main__":`` guard (spawn); pytest does not.
+    ``multiprocess=False`` (default) runs EngineCore, scheduler and worker in this process; only
+    one such engine may be alive at a time (RuntimeError otherwise). ``True`` spawns EngineCore
+    and worker processes (12-16 s startup on 2 cores) and may overlap an in-process engine.
+    Scripts using ``multiprocess=True`` need an ``if __name__ == "__main__":`` guard (spawn);
+    pytest does not.
     """
     if block_size % 32:
         raise ValueError(f"block_size must be a multiple of 32 on the CPU backend, got {block_size}")
@@ -124,7 +128,14 @@ def engine(
         kwargs["max_num_seqs"] = max_num_seqs
     kwargs.update(extra)
 
+    global _live_inprocess
     with _CONSTRUCT_LOCK:
+        if not multiprocess and _live_inprocess:
+            raise RuntimeError(
+                "another in-process vLLM engine is still running in this process; vLLM keeps "
+                "process-global state (the worker KV connector, torch.distributed groups), so exit "
+                "its `with engine(...)` block first or use multiprocess=True"
+            )
         previous = os.environ.get(_MP_ENV)
         os.environ[_MP_ENV] = "1" if multiprocess else "0"
         try:
@@ -139,11 +150,14 @@ def engine(
                 if isinstance(kv_transfer_config, Mapping):
                     kv_transfer_config = KVTransferConfig(**dict(kv_transfer_config))
                 kwargs["kv_transfer_config"] = kv_transfer_config
-            # Never reuse a worker connector left behind by an engine that was not shut down.
-            _drop_worker_connector()
+            if not multiprocess:
+                # Never reuse a worker connector left behind by an engine not shut down properly.
+                _drop_worker_connector()
             llm = LLM(**kwargs)
+            if not multiprocess:
+                _live_inprocess += 1
         except BaseException:
-            _teardown_process_state()
+            _teardown_process_state(multiprocess)
             raise
         finally:
             if previous is None:
@@ -163,7 +177,10 @@ def engine(
             shutdown_engine(llm)
         finally:
             del llm
-            _teardown_process_state()
+            with _CONSTRUCT_LOCK:
+                if not multiprocess:
+                    _live_inprocess -= 1
+                _teardown_process_state(multiprocess)
 
 
 def shutdown_engine(llm: LLM) -> None:
@@ -184,8 +201,12 @@ def _drop_worker_connector() -> None:
     ensure_kv_transfer_shutdown()
 
 
-def _teardown_process_state() -> None:
+def _teardown_process_state(multiprocess: bool = False) -> None:
     """Process-global cleanup after an engine is gone (reference §5, remaining steps)."""
+    if multiprocess and _live_inprocess:
+        # The process-global state belongs to a live in-process engine: leave it alone.
+        gc.collect()
+        return
     try:
         _drop_worker_connector()
     finally:

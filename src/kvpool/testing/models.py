@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["MODEL_KINDS", "default_model_dir", "is_complete_model", "make_tiny_model", "model_config"]
 
-MODEL_KINDS = ("llama", "gemma2", "gemma3")
+MODEL_KINDS = ("llama", "gemma2", "gemma3", "llama-demo")
 
 # Bumped whenever the generated weights/config change, so cached models are rebuilt.
 _FORMAT_VERSION = 1
@@ -79,6 +79,18 @@ def model_config(kind: str) -> tuple[str, dict[str, Any]]:
             "tie_word_embeddings": True,
             "initializer_range": 0.02,
             "query_pre_attn_scalar": 64,
+        }
+    if kind == "llama-demo":
+        # larger, so prefill costs enough time for the demo's TTFT to show what a pool hit saves
+        return "LlamaConfig", {
+            **_COMMON,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "initializer_range": 0.05,
+            "tie_word_embeddings": False,
         }
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {MODEL_KINDS}")
 
@@ -148,6 +160,7 @@ def _write_checkpoint(kind: str, cfg_kwargs: dict[str, Any], out: Path, seed: in
     config = getattr(transformers, cfg_cls_name)(**cfg_kwargs)
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
+        "llama-demo": transformers.LlamaForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
     }[kind]
