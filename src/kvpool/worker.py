@@ -199,10 +199,11 @@ class WorkerEngine:
 
     def save_request(self, req_id: str, token_len: int, computed_before: int = 0, fence: Fence | None = None) -> None:
         with self._lock:
+            # the scheduler holds the request's blocks until it hears this save is done: always report it
+            self._saving.add(req_id)
             state = self._states.get(req_id)
             if state is None or state.dropped or state.finished:
                 return
-            self._saving.add(req_id)
             state.computed_before = max(state.computed_before, computed_before)
             hashed = len(state.hashes) * self.coordinator.hash_block_size
             end = self.coordinator.align(min(token_len, hashed))
