@@ -1021,3 +1021,14 @@ def test_save_before_layout_fails_the_job_only(closing: list[WorkerEngine]) -> N
     engine.save_request("r", 32)
     assert engine.drain(5)
     assert engine.stored_tokens("r") == 32
+
+
+def test_sync_loads_finish_inside_apply(closing: list[WorkerEngine]) -> None:
+    model, _, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(sync_loads=True))
+    engine.close()  # no loader thread: the load must run in the caller
+    tables = model.tables(144)
+    engine.apply([RequestDelta("reader", new_hashes=hashes, new_blocks=tables, load=LoadSpec(0, 128))])
+    assert engine.take_finished() == (set(), {"reader"})
+    assert engine.take_failed_blocks() == set()
+    for chunk in range(8):
+        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]

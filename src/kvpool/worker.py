@@ -46,6 +46,9 @@ class WorkerConfig:
     check_exists_before_put: bool = True
     fence_timeout_s: float = 5.0
     queue_limit: int = 4096
+    # load in the caller's thread: right for an in-process pool, where a load is a memcpy and a loader
+    # thread would only wait for the GIL while the engine loop spins; remote pools load on a thread
+    sync_loads: bool = False
 
 
 @dataclass
@@ -443,30 +446,35 @@ class WorkerEngine:
             self._pending_reads.update(item.block_id for item in items)
             self._loads_pending += 1
         self.stats.loads += 1
-        self._load_queue.put((state.req_id, items))
+        if self.config.sync_loads:
+            self._execute_load(state.req_id, items)
+        else:
+            self._load_queue.put((state.req_id, items))
 
     def _load_loop(self) -> None:
         while True:
             entry = self._load_queue.get()
             if entry is None:
                 return
-            req_id, items = entry
-            failed: set[int] = {item.block_id for item in items}
-            try:
-                failed = self._run_load(items)
-            except Exception:
-                log.exception("load of request %s failed; its blocks will be recomputed", req_id)
-            finally:
-                with self._lock:
-                    if failed:
-                        self._failed_loads.setdefault(req_id, set()).update(failed)
-                    self._finished_loading.add(req_id)
-                    self._pending_reads.subtract(item.block_id for item in items)
-                    self._pending_reads = +self._pending_reads
-                    self._loads_pending -= 1
-                    self._reads_done.notify_all()
-                with self._idle:
-                    self._idle.notify_all()
+            self._execute_load(*entry)
+
+    def _execute_load(self, req_id: str, items: list[_Item]) -> None:
+        failed: set[int] = {item.block_id for item in items}
+        try:
+            failed = self._run_load(items)
+        except Exception:
+            log.exception("load of request %s failed; its blocks will be recomputed", req_id)
+        finally:
+            with self._lock:
+                if failed:
+                    self._failed_loads.setdefault(req_id, set()).update(failed)
+                self._finished_loading.add(req_id)
+                self._pending_reads.subtract(item.block_id for item in items)
+                self._pending_reads = +self._pending_reads
+                self._loads_pending -= 1
+                self._reads_done.notify_all()
+            with self._idle:
+                self._idle.notify_all()
 
     def _run_load(self, items: list[_Item]) -> set[int]:
         layout = self.layout
