@@ -35,7 +35,7 @@ from .conftest_mooncake import (
     run_engine_process,
     wait_until,
 )
-from .mooncake_driver import run_tp_rank, tp_expected_value, tp_model, tp_requests
+from .mooncake_driver import TP_LAYER_BYTES, TP_LAYERS, run_tp_rank, tp_expected_value, tp_model, tp_requests
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -46,7 +46,8 @@ SHARED = random_prompts(2, PROMPT_TOKENS, seed=41)
 DEAD_OWNER = random_prompts(2, PROMPT_TOKENS, seed=42)
 OUTAGE = [random_prompts(3, PROMPT_TOKENS, seed=43 + i) for i in range(4)]
 BATCH_BOUND_S = 15.0  # see test_master_killed_mid_workload
-PRESSURE = [random_prompts(8, 576, seed=50 + i) for i in range(4)]  # 9 chunks a prompt: 72 chunks, 9 MiB a batch
+# 9 chunks a prompt: a burst of 252 chunks (31.5 MiB), then batches of 72 (9 MiB)
+PRESSURE = [random_prompts(count, 576, seed=50 + i) for i, count in enumerate((28, 8, 8, 8))]
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,26 @@ def settle(llm: Any) -> Any:
     return worker
 
 
-def timed_generate(llm: Any, prompts: list[list[int]]) -> tuple[list[GreedyResult], float, float]:
-    """(results, wall seconds, longest single engine step in seconds)."""
+def record_lookups() -> dict[str, list[tuple[int | None, bool]]]:
+    """Record every answer of the in-process scheduler connector's get_num_new_matched_tokens."""
+    (side,) = _LOCAL_SCHEDULERS.values()
+    assert side.core.config.lookup_async, "mooncake lookups must default to async"
+    answers: dict[str, list[tuple[int | None, bool]]] = {}
+    original = side.matched_tokens
+
+    def recording(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        answer = original(request, num_computed_tokens)
+        answers.setdefault(request.request_id, []).append(answer)
+        return answer
+
+    side.matched_tokens = recording  # type: ignore[method-assign]
+    return answers
+
+
+def timed_generate(
+    llm: Any, prompts: list[list[int]], after_step: Callable[[int], None] | None = None
+) -> tuple[list[GreedyResult], float, float]:
+    """(results, wall seconds, longest single engine step in seconds); `after_step(i)` runs after step i."""
     steps: list[float] = []
     original = llm.llm_engine.step
 
@@ -107,6 +126,8 @@ def timed_generate(llm: Any, prompts: list[list[int]]) -> tuple[list[GreedyResul
             return original()
         finally:
             steps.append(time.monotonic() - began)
+            if after_step is not None:
+                after_step(len(steps) - 1)
 
     llm.llm_engine.step = step
     try:
@@ -139,8 +160,13 @@ def test_engine_processes_share_one_master(llama, baseline, masters, tmp_path):
         assert [r.num_cached_tokens for r in saved] == [0, 0]
 
         with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+            answers = record_lookups()
             loaded = generate_greedy(llm, SHARED, MAX_TOKENS)
             stats_b = settle(llm).stats
+    # lookups leave the process, so they run on a thread: "ask again" first, never blocking the engine loop
+    assert len(answers) == 2
+    for seen in answers.values():
+        assert seen[0] == (None, False) and (256, True) in seen, seen
     assert [r.num_cached_tokens for r in loaded] == [256, 256]
     assert stats_b.chunks_loaded == 2 * (256 // BLOCK) and stats_b.chunks_load_failed == 0
     assert stats_b.chunks_put == 0  # B recomputed only the partial tail block, which is never stored
@@ -151,15 +177,16 @@ def test_engine_processes_share_one_master(llama, baseline, masters, tmp_path):
 
 
 def test_master_killed_mid_workload(llama, baseline, masters):
-    """SIGKILL the master between batches: no request fails, no batch stalls, outputs stay equal; a master
-    restarted on the same port is used again (re-saved chunks hit).
+    """SIGKILL the master in the middle of a batch (right after its first engine step queued saves): no
+    request fails, no batch stalls, outputs stay equal; a master restarted on the same port is used again
+    (re-saved chunks hit).
 
     Bound per batch: BATCH_BOUND_S. What an outage can cost one batch: the first RPC to a dead master
-    blocks ~4.3 s in Mooncake's reconnect loop (a lookup in flight; the scheduler's lookup waits at most
-    lookup_timeout_s = 5 s for it), and the step fence waits for a save already inside such an RPC
-    (another ~4.3 s, partly overlapping). After that the breaker answers at once. Computing 3 prompts is
-    < 1 s (a few s on a loaded 2-core machine). 15 s covers the worst sum with margin while still failing
-    on a per-call stall (e.g. 3+ lookups or saves each waiting 4.3 s, or a hung 30 s RPC)."""
+    may block ~4.3 s in Mooncake's reconnect loop (a lookup in flight: the scheduler's async lookup waits at
+    most lookup_timeout_s = 5 s for it; a save already inside such an RPC holds the next step's fence for
+    as long), after which the breaker answers at once. Computing 3 prompts takes < 1 s (2-3 s on a
+    loaded 2-core machine). 15 s covers the worst sum with margin, yet fails if the stall repeats per
+    call (3+ lookups or saves each waiting 4.3 s) or a call hangs (30 s)."""
     master = masters()
     config = mooncake_connector(master, global_segment_size=64 << 20, breaker_cooldown_s=1.0)
     with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
@@ -167,8 +194,8 @@ def test_master_killed_mid_workload(llama, baseline, masters):
         assert worker is not None
         timings: list[tuple[str, float, float]] = []
 
-        def run(name: str, prompts: list[list[int]], expected: str) -> list[GreedyResult]:
-            results, wall, longest = timed_generate(llm, prompts)
+        def run(name: str, prompts: list[list[int]], expected: str, **kwargs: Any) -> list[GreedyResult]:
+            results, wall, longest = timed_generate(llm, prompts, **kwargs)
             timings.append((name, wall, longest))
             complete(results, prompts)
             assert_same_greedy(baseline[expected], results)
@@ -178,11 +205,13 @@ def test_master_killed_mid_workload(llama, baseline, masters):
         settle(llm)
         assert worker.stats.chunks_put == 3 * (PROMPT_TOKENS // BLOCK)
 
-        master.kill()
+        run("killed mid-batch", OUTAGE[1], "outage1", after_step=lambda i: master.kill() if i == 0 else None)
+        assert not master.running()
+        settle(llm)  # finished requests hold their blocks until their saves end
         assert llm.reset_prefix_cache()
         during = run("repeat during outage", OUTAGE[0], "outage0")
         assert [r.num_cached_tokens for r in during] == [0, 0, 0], "a dead master's objects cannot hit"
-        run("new during outage", OUTAGE[1], "outage1")
+        run("new during outage", OUTAGE[3], "outage3")
         settle(llm)
         put_during_outage = worker.stats.chunks_put
 
@@ -211,6 +240,7 @@ def test_master_killed_mid_workload(llama, baseline, masters):
         assert [r.num_cached_tokens for r in again] == [256] * 3, "hits resume on the restarted master"
         assert worker.stats.chunks_loaded == loaded_before + 3 * (256 // BLOCK)
         assert worker.stats.chunks_load_failed == 0
+    print("batch wall / longest step (s):", [(name, round(wall, 2), round(step, 2)) for name, wall, step in timings])
     for name, wall, longest in timings:
         assert wall < BATCH_BOUND_S, f"batch {name!r} took {wall:.1f} s (longest step {longest:.1f} s): {timings}"
 
@@ -244,10 +274,11 @@ def test_killed_segment_owner_loads_fail_and_are_recomputed(llama, baseline, mas
 
 
 def test_pool_much_smaller_than_the_workload(llama, baseline, masters):
-    """An 8 MiB pool (64 chunks) under 288 chunks of saves: puts fail with NO_AVAILABLE_HANDLE, the pressure
-    gate engages, Mooncake evicts, later puts succeed; no request notices."""
+    """A 16 MiB pool (Mooncake's smallest segment: 128 chunks) under 468 chunks (58.5 MiB) of saves, the first
+    batch alone twice the pool: puts fail with NO_AVAILABLE_HANDLE (Mooncake evicts every 10 ms, slower than
+    a burst of puts fills it), the pressure gate engages, later puts succeed; no request notices."""
     master = masters()
-    segment = 8 << 20
+    segment = 16 << 20
     config = mooncake_connector(master, global_segment_size=segment)
     history = []
     with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
@@ -324,10 +355,11 @@ def test_tp_ranks_stride_puts_over_mooncake(masters, tmp_path):
                     where[space.key(chunk_hash)] = (group, table[chunk])
         keys = sorted(one_rank)
         assert holder.exists(keys) == [True] * len(keys)
-        dests = [[np.zeros(len(tp_expected_value(*where[key])), np.uint8)] for key in keys]
+        # read back per layer, like a load: the holder did not write these keys, so small pieces are staged
+        dests = [[np.zeros(TP_LAYER_BYTES, np.uint8) for _ in range(TP_LAYERS)] for _ in keys]
         assert holder.get_into(keys, dests) == [Status.OK] * len(keys)
         for key, dest in zip(keys, dests):
-            assert dest[0].tobytes() == tp_expected_value(*where[key]), key
+            assert b"".join(piece.tobytes() for piece in dest) == tp_expected_value(*where[key]), key
     finally:
         for process in ranks:
             if process.poll() is None:

@@ -49,10 +49,10 @@ class MemoryBackend:
             if not isinstance(target, np.ndarray):
                 results.append(target)
                 continue
-            offset = 0
-            for piece in pieces:
-                target[offset : offset + piece.size] = piece
-                offset += piece.size
+            if len(pieces) == 1:
+                target[:] = pieces[0]
+            else:
+                np.concatenate(pieces, out=target)
             self._publish(key, target)
             results.append(Status.OK)
         return results

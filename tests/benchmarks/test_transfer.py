@@ -1,0 +1,95 @@
+"""`kvpool bench transfer`: a tiny run of each backend, checking the JSON shape (no timing assertions)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import pytest
+
+from kvpool.benchmarks import transfer
+
+KiB = 1 << 10
+TINY = {"chunk_sizes": (64 * KiB,), "pieces": (4, 1), "keys_per_batch": 4, "reps": 1}
+COMMON = {"backend", "op", "chunk_bytes", "pieces", "keys_per_batch", "kvpool_gbps", "memcpy_gbps"}
+
+
+def check_shape(result: dict[str, Any], backend: str, placements: tuple[str, ...] = ()) -> None:
+    json.dumps(result)  # plain JSON all the way down
+    rows = result["results"]
+    cells = {(r.get("placement"), r["op"], r["chunk_bytes"], r["pieces"]) for r in rows}
+    expected = {
+        (placement, op, 64 * KiB, pieces)
+        for placement in (placements or (None,))
+        for op in ("put", "get")
+        for pieces in (4, 1)
+    }
+    assert cells == expected and len(rows) == len(expected)
+    for row in rows:
+        assert row["backend"] == backend
+        assert set(row) >= COMMON
+        assert row["kvpool_gbps"] > 0 and row["memcpy_gbps"] > 0
+        if backend == "mooncake":
+            assert row["raw_gbps"] > 0
+            assert (row["raw_multi_gbps"] is None) == (row["pieces"] == 1)
+        else:
+            assert "raw_gbps" not in row and "placement" not in row
+    summary = result["summary"]
+    assert summary["baseline"] == ("memcpy" if backend == "memory" else "raw")
+    assert summary["threshold"] == (transfer.MEMORY_TARGET if backend == "memory" else transfer.MOONCAKE_TARGET)
+    assert len(summary["ratios"]) == len(rows)
+    assert all(isinstance(check["pass"], bool) and check["ratio"] >= 0 for check in summary["ratios"])
+    assert summary["pass"] == all(check["pass"] for check in summary["ratios"])
+    assert summary["min_ratio"] == min(check["ratio"] for check in summary["ratios"])
+    assert summary["failed"] == [check for check in summary["ratios"] if not check["pass"]]
+
+
+def test_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    result = transfer.run("memory", **TINY)
+    check_shape(result, "memory")
+    transfer.print_table(result)
+    assert "kvpool >= 60% of memcpy" in capsys.readouterr().out
+
+
+@pytest.mark.mooncake
+def test_mooncake_local_and_remote(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both placements: `remote` moves the 4-piece values through the staging buffer over TCP, and the
+    bench checks every path read back the bytes it wrote."""
+    mooncake_or_skip()
+    result = transfer.run("mooncake", placements=("local", "remote"), **TINY)
+    check_shape(result, "mooncake", ("local", "remote"))
+    transfer.print_table(result)
+    assert "kvpool >= 80% of raw Mooncake" in capsys.readouterr().out
+
+
+def test_cli_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvpool.cli import app
+
+    monkeypatch.setattr(transfer, "run", functools.partial(transfer.run, **TINY))
+    outcome = CliRunner().invoke(app, ["bench", "transfer", "--backend", "memory", "--json"])
+    assert outcome.exit_code == 0, outcome.output
+    check_shape(json.loads(outcome.output), "memory")
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        transfer.run("disk")
+    with pytest.raises(ValueError, match="pieces"):
+        transfer.run("memory", chunk_sizes=(1000,), pieces=(3,), keys_per_batch=1, reps=1)
+
+
+def mooncake_or_skip() -> None:
+    from kvpool.backends.mooncake import load_store_module
+    from kvpool.errors import BackendUnavailableError
+    from kvpool.mooncake_master import find_master_binary
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    try:
+        load_store_module()
+        find_master_binary()
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
