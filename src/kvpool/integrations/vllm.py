@@ -28,6 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool.backends.base import Backend, create_backend
 from kvpool.config import KVPoolConfig
 from kvpool.errors import ConfigError, LayoutError
+from kvpool.integrations.vllm_metrics import (
+    KVPoolPromMetrics,
+    KVPoolStats,
+    SchedulerStatsSampler,
+    WorkerStatsSampler,
+)
 from kvpool.keys import KeySpace, LayoutFingerprint
 from kvpool.layout import KVLayout
 from kvpool.lookup_channel import LookupClient, LookupServer, channel_address
@@ -38,6 +44,12 @@ from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -301,6 +313,27 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return None
 
+    # ---- stats (both roles) → vLLM's /metrics and stats log; see kvpool.integrations.vllm_metrics
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This role's counter deltas since the previous call; None when nothing changed."""
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.metrics.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPoolStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
 
 class _WorkerSide:
     def __init__(self, connector: KVPoolConnector) -> None:
@@ -317,6 +350,7 @@ class _WorkerSide:
                 put_batch_chunks=config.put_batch_chunks,
                 check_exists_before_put=config.check_exists_before_put,
                 fence_timeout_s=config.fence_timeout_s,
+                sync_loads=config.backend == "memory",
             ),
         )
         self.server: LookupServer | None = None
@@ -325,6 +359,7 @@ class _WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._device: torch.device | None = None
         self._applied: StepMetadata | None = None
+        self.metrics = WorkerStatsSampler(self.engine.stats, self.backend, f"tp{plan.tp_rank}-pp{plan.pp_rank}")
         with _LOCAL_LOCK:
             _LOCAL_WORKERS[connector.engine_id] = self
 
@@ -413,6 +448,7 @@ class _SchedulerSide:
             ),
         )
         self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
+        self.metrics = SchedulerStatsSampler(self.core.stats)
         with _LOCAL_LOCK:
             _LOCAL_SCHEDULERS[connector.engine_id] = self
 

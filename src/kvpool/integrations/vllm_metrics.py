@@ -1,0 +1,310 @@
+"""kvpool's counters on vLLM's Prometheus ``/metrics`` and in its periodic stats log.
+
+How the numbers travel in vLLM 0.32 (``V = site-packages/vllm``):
+
+1. Every engine step the worker connector's ``get_kv_connector_stats()`` is called
+   (``V/v1/worker/kv_connector_model_runner_mixin.py:102``) and its result rides in
+   ``KVConnectorOutput.kv_connector_stats``. Multi-process executors combine the workers' objects
+   with ``aggregate`` (``V/distributed/kv_transfer/kv_connector/utils.py:132-142``).
+2. The scheduler calls the scheduler connector's ``get_kv_connector_stats()`` after every step and,
+   unless it ``is_empty()``, merges it into the worker's object with
+   ``worker_stats.aggregate(scheduler_stats)`` (``V/v1/core/sched/scheduler.py:2336-2351``).
+3. With stat logging on (``LLM(disable_log_stats=False)``; ``vllm serve`` has it on) the payload
+   ``to_dict()`` (= ``data``) goes to the front-end in ``SchedulerStats.kv_connector_stats``
+   (``scheduler.py:2915-2959``) as a plain dict (msgpack across processes).
+4. The front-end's ``PrometheusStatLogger`` hands the dict to the object built by the connector
+   class's ``build_prom_metrics`` (``V/distributed/kv_transfer/kv_connector/v1/metrics.py:137-172``,
+   ``V/v1/metrics/loggers.py:1197-1200``); the logging stat logger rebuilds a stats object with
+   ``build_kv_connector_stats(data)``, accumulates with ``aggregate`` and logs ``reduce()``
+   every ``VLLM_LOG_STATS_INTERVAL`` (``metrics.py:53-106``).
+
+So a payload holds *deltas* (what happened since the previous step), never running totals, and
+``aggregate`` must work both across workers (same step) and across steps (log interval). Counters
+add up; pool gauges are snapshots per worker rank, so the later snapshot of a rank replaces the
+earlier one and the Prometheus side sums the ranks it has seen.
+
+Payload (``KVPoolStats.data``, plain JSON-able types only)::
+
+    {"counters": {"chunks_saved": 3, "bytes_saved": 786432, ...},   # only the non-zero deltas
+     "pools": {"tp0-pp0": {"pool_used_bytes": ..., "pool_keys": ..., "pool_capacity_bytes": ...}}}
+
+Prometheus names (vLLM only keeps / reports collectors whose name starts with ``vllm:``,
+``V/v1/metrics/prometheus.py:56-70``, ``V/v1/metrics/reader.py:88``): counter ``key`` is
+``vllm:kvpool_<key>`` (exposed as ``vllm:kvpool_<key>_total``), gauges ``vllm:kvpool_<key>``,
+labelled with vLLM's engine labels (``model_name``, ``engine``).
+
+Cost: a sampler reads a fixed set of integer attributes and compares them with the previous values
+(O(number of counters), independent of requests and context length) and returns ``None`` when
+nothing changed. The embedded pool's gauges are read only when the worker's counters moved or at
+most once per ``POOL_SAMPLE_INTERVAL_S`` otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+__all__ = [
+    "BACKEND_COUNTERS",
+    "COUNTERS",
+    "POOL_GAUGES",
+    "POOL_SAMPLE_INTERVAL_S",
+    "SCHEDULER_COUNTERS",
+    "WORKER_COUNTERS",
+    "KVPoolPromMetrics",
+    "KVPoolStats",
+    "MetricSpec",
+    "SchedulerStatsSampler",
+    "WorkerStatsSampler",
+    "prometheus_name",
+]
+
+POOL_SAMPLE_INTERVAL_S = 1.0
+_COUNTERS = "counters"
+_POOLS = "pools"
+PREFIX = "vllm:kvpool_"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str  # key in the payload; Prometheus name vllm:kvpool_<key>
+    source: str  # attribute of the core's stats object it is read from
+    doc: str
+
+
+WORKER_COUNTERS: tuple[MetricSpec, ...] = (
+    MetricSpec("chunks_saved", "chunks_put", "KV chunks stored in the pool."),
+    MetricSpec("bytes_saved", "bytes_put", "Bytes of KV stored in the pool."),
+    MetricSpec(
+        "chunks_already_present", "chunks_already_present", "Chunks not stored because the pool already held them."
+    ),
+    MetricSpec("chunks_save_failed", "chunks_put_failed", "Chunks whose store failed (pool full or backend error)."),
+    MetricSpec("chunks_examined", "chunks_examined", "Chunks the store path examined (only new chunks)."),
+    MetricSpec("save_jobs_dropped", "save_jobs_dropped", "Save jobs dropped (pool pressure, full queue, cancelled)."),
+    MetricSpec("chunks_loaded", "chunks_loaded", "KV chunks loaded from the pool into engine blocks."),
+    MetricSpec("bytes_loaded", "bytes_loaded", "Bytes of KV loaded from the pool."),
+    MetricSpec("chunks_load_failed", "chunks_load_failed", "Chunks whose load failed (recomputed by the engine)."),
+    MetricSpec("fence_waits", "fence_waits", "Engine steps that waited for a save still reading a block."),
+    MetricSpec("fence_wait_seconds", "fence_wait_s", "Seconds engine steps spent waiting on the write fence."),
+    MetricSpec("pressure_events", "pressure_events", "Times the pool reported no room (saves paused)."),
+)
+BACKEND_COUNTERS: tuple[MetricSpec, ...] = (
+    MetricSpec("pool_evictions", "evictions", "Chunks the embedded pool evicted (least recently used)."),
+)
+SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
+    MetricSpec("lookups", "lookups", "Pool lookups made for new or preempted requests."),
+    MetricSpec("lookup_hit_tokens", "lookup_hit_tokens", "Prompt tokens the pool lookups found."),
+    MetricSpec("lookup_failures", "lookup_failures", "Lookups that failed or timed out (counted as a miss)."),
+    MetricSpec("load_requests", "loads", "Requests scheduled to load a prefix from the pool."),
+    MetricSpec("load_tokens", "load_tokens", "Tokens scheduled to be loaded from the pool instead of computed."),
+    MetricSpec("preemptions", "preemptions", "Requests preempted by the engine while tracked by kvpool."),
+)
+COUNTERS: tuple[MetricSpec, ...] = WORKER_COUNTERS + BACKEND_COUNTERS + SCHEDULER_COUNTERS
+POOL_GAUGES: tuple[MetricSpec, ...] = (
+    MetricSpec("pool_used_bytes", "used_bytes", "Bytes held by the embedded pool (summed over worker ranks)."),
+    MetricSpec("pool_keys", "keys", "Chunks held by the embedded pool (summed over worker ranks)."),
+    MetricSpec("pool_capacity_bytes", "capacity_bytes", "Capacity of the embedded pool (summed over worker ranks)."),
+)
+_COUNTER_ORDER = {spec.key: i for i, spec in enumerate(COUNTERS)}
+
+
+def prometheus_name(key: str) -> str:
+    """The metric name of a payload key (counters are exposed with a ``_total`` suffix)."""
+    return PREFIX + key
+
+
+# ---- the payload ------------------------------------------------------------------------------
+
+
+@dataclass
+class KVPoolStats(KVConnectorStats):
+    """One step's (or one log interval's) kvpool deltas; see the module docstring for ``data``."""
+
+    def __post_init__(self) -> None:
+        # own copies: vLLM may hand the same dict to several observers (in-process there is no
+        # serialisation), and aggregate() mutates in place
+        data = self.data or {}
+        self.data = {
+            _COUNTERS: dict(data.get(_COUNTERS) or {}),
+            _POOLS: {rank: dict(values) for rank, values in (data.get(_POOLS) or {}).items()},
+        }
+
+    @property
+    def counters(self) -> dict[str, int | float]:
+        return self.data[_COUNTERS]
+
+    @property
+    def pools(self) -> dict[str, dict[str, int | float]]:
+        return self.data[_POOLS]
+
+    def reset(self) -> None:
+        self.data = {_COUNTERS: {}, _POOLS: {}}
+
+    def is_empty(self) -> bool:
+        return not self.data[_COUNTERS] and not self.data[_POOLS]
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Counters add up; a pool snapshot of a rank replaces the earlier one (``other`` is newer,
+        or another rank of the same step)."""
+        if other is None or other is self or other.is_empty():
+            return self
+        counters = self.data[_COUNTERS]
+        for key, value in (other.data.get(_COUNTERS) or {}).items():
+            counters[key] = counters.get(key, 0) + value
+        pools = self.data[_POOLS]
+        for rank, values in (other.data.get(_POOLS) or {}).items():
+            pools[rank] = dict(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Flat summary for vLLM's periodic log line: counters in a fixed order, then pool gauges
+        summed over ranks."""
+        counters = self.data[_COUNTERS]
+        reduced: dict[str, int | float] = {}
+        for key in sorted(counters, key=lambda k: (_COUNTER_ORDER.get(k, len(_COUNTER_ORDER)), k)):
+            value = counters[key]
+            reduced[key] = round(value, 3) if isinstance(value, float) else value
+        pools = self.data[_POOLS]
+        if pools:
+            for spec in POOL_GAUGES:
+                reduced[spec.key] = sum(values.get(spec.key, 0) for values in pools.values())
+        return reduced
+
+
+# ---- samplers (engine side) -------------------------------------------------------------------
+
+
+class _Deltas:
+    """Delta of selected numeric attributes of a stats object since the previous ``take``."""
+
+    __slots__ = ("_last", "_pairs")
+
+    def __init__(self, specs: tuple[MetricSpec, ...], baseline: Any = None) -> None:
+        self._pairs = tuple((spec.key, spec.source) for spec in specs)
+        self._last = {key: getattr(baseline, source, 0) if baseline is not None else 0 for key, source in self._pairs}
+
+    def take(self, source: Any, into: dict[str, int | float]) -> None:
+        last = self._last
+        for key, attr in self._pairs:
+            value = getattr(source, attr)
+            previous = last[key]
+            if value != previous:
+                last[key] = value
+                # a counter that went down was replaced (new source object): count it from zero
+                delta = value - previous if value > previous else value
+                if delta:
+                    into[key] = delta
+
+
+class WorkerStatsSampler:
+    """Turns a worker's live ``WorkerStats`` (and the embedded pool's ``BackendStats``) into
+    per-step ``KVPoolStats`` deltas."""
+
+    def __init__(
+        self,
+        worker_stats: Any,
+        backend: Any = None,
+        rank: str = "tp0-pp0",
+        pool_sample_interval_s: float = POOL_SAMPLE_INTERVAL_S,
+    ) -> None:
+        self._stats = worker_stats
+        self._worker = _Deltas(WORKER_COUNTERS)
+        # only the embedded pool knows its size without I/O (Mooncake's lives on the master)
+        self._backend = backend if getattr(backend, "name", None) == "memory" else None
+        self._pool_deltas: _Deltas | None = None
+        if self._backend is not None:
+            # the embedded pool outlives engines: count only what happens from now on
+            self._pool_deltas = _Deltas(BACKEND_COUNTERS, self._backend.stats())
+        self._rank = rank
+        self._interval = pool_sample_interval_s
+        self._sampled_at = -math.inf
+        self._snapshot: dict[str, int | float] | None = None
+
+    def take(self) -> KVPoolStats | None:
+        counters: dict[str, int | float] = {}
+        self._worker.take(self._stats, counters)
+        pools: dict[str, dict[str, int | float]] = {}
+        backend = self._backend
+        if backend is not None:
+            now = time.monotonic()
+            if counters or now - self._sampled_at >= self._interval:
+                self._sampled_at = now
+                stats = backend.stats()
+                assert self._pool_deltas is not None
+                self._pool_deltas.take(stats, counters)
+                snapshot = {spec.key: getattr(stats, spec.source) for spec in POOL_GAUGES}
+                if snapshot != self._snapshot:
+                    self._snapshot = snapshot
+                    pools[self._rank] = snapshot
+        if not counters and not pools:
+            return None
+        return KVPoolStats({_COUNTERS: counters, _POOLS: pools})
+
+
+class SchedulerStatsSampler:
+    """Turns the scheduler's live ``SchedulerStats`` into per-step ``KVPoolStats`` deltas."""
+
+    def __init__(self, scheduler_stats: Any) -> None:
+        self._stats = scheduler_stats
+        self._deltas = _Deltas(SCHEDULER_COUNTERS)
+
+    def take(self) -> KVPoolStats | None:
+        counters: dict[str, int | float] = {}
+        self._deltas.take(self._stats, counters)
+        return KVPoolStats({_COUNTERS: counters}) if counters else None
+
+
+# ---- Prometheus (front-end side) --------------------------------------------------------------
+
+
+class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """Registers ``vllm:kvpool_*`` counters and gauges and records payloads into them."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for spec in COUNTERS:
+            counter = self._counter_cls(
+                name=prometheus_name(spec.key), documentation=f"kvpool: {spec.doc}", labelnames=labelnames
+            )
+            self._counters[spec.key] = self._per_engine(counter)
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for spec in POOL_GAUGES:
+            gauge = self._gauge_cls(
+                name=prometheus_name(spec.key),
+                documentation=f"kvpool: {spec.doc}",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges[spec.key] = self._per_engine(gauge)
+        # engine -> rank -> latest pool snapshot (payloads carry only the ranks that changed)
+        self._pools: dict[int, dict[str, dict[str, int | float]]] = {}
+
+    def _per_engine(self, metric: Any) -> dict[int, Any]:
+        return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any] | None, engine_idx: int = 0) -> None:
+        if not transfer_stats_data:
+            return
+        for key, value in (transfer_stats_data.get(_COUNTERS) or {}).items():
+            children = self._counters.get(key)
+            if children is not None and value > 0 and engine_idx in children:
+                children[engine_idx].inc(value)
+        pools = transfer_stats_data.get(_POOLS)
+        if pools:
+            known = self._pools.setdefault(engine_idx, {})
+            known.update(pools)
+            for spec in POOL_GAUGES:
+                children = self._gauges[spec.key]
+                if engine_idx in children:
+                    children[engine_idx].set(sum(values.get(spec.key, 0) for values in known.values()))
