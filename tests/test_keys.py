@@ -22,6 +22,7 @@ def test_every_fingerprint_field_changes_the_prefix() -> None:
         "num_layers": 2,
         "tp_shard": 1,
         "pp_rank": 1,
+        "pp_size": 2,
         "group_id": 1,
         "attention": "sliding_window:64",
         "hash_algo": "sha256",

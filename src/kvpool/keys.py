@@ -27,6 +27,7 @@ class LayoutFingerprint:
     num_layers: int = 0
     tp_shard: int = 0  # tp_rank // ranks holding identical bytes
     pp_rank: int = 0
+    pp_size: int = 1  # a pipeline split decides which layers a rank's chunk holds
     group_id: int = 0
     attention: str = ""  # attention kind of the group, e.g. "full" or "sliding_window:64"
     hash_algo: str = ""  # the engine's block-hash function and seed policy

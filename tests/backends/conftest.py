@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.backends.base import Backend
 from kvpool.backends.memory import MemoryBackend
-from kvpool.errors import BackendUnavailableError
+from kvpool.testing.mooncake import mooncake_or_skip
 
 POOL_BYTES = 64 << 20
 STAGING_BYTES = 4 << 20  # small, so batches of small-piece values need several staging rounds
@@ -23,16 +23,6 @@ os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
-def mooncake_or_skip() -> None:
-    """Skip when Mooncake is not installed; a broken install must still fail loudly elsewhere."""
-    from kvpool.backends.mooncake import load_store_module
-    from kvpool.mooncake_master import find_master_binary
-
-    try:
-        load_store_module()
-        find_master_binary()
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
 
 
 def mooncake_options(master: Any, **overrides: Any) -> dict[str, Any]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import Any
 
 import pytest
 
 from kvpool.benchmarks import transfer
+from kvpool.testing.mooncake import mooncake_or_skip
 
 KiB = 1 << 10
 TINY = {"chunk_sizes": (64 * KiB,), "pieces": (4, 1), "keys_per_batch": 4, "reps": 1}
@@ -81,15 +81,3 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="pieces"):
         transfer.run("memory", chunk_sizes=(1000,), pieces=(3,), keys_per_batch=1, reps=1)
 
-
-def mooncake_or_skip() -> None:
-    from kvpool.backends.mooncake import load_store_module
-    from kvpool.errors import BackendUnavailableError
-    from kvpool.mooncake_master import find_master_binary
-
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    try:
-        load_store_module()
-        find_master_binary()
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))

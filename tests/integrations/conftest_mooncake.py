@@ -21,19 +21,6 @@ READY_TIMEOUT_S = 60.0
 ENGINE_PROCESS_TIMEOUT_S = 240.0  # import vllm + engine + generate + shutdown: 15-30 s on 2 busy cores
 
 
-def mooncake_or_skip() -> None:
-    """Skip when Mooncake is not installed (a broken install still fails in the backend tests)."""
-    import pytest
-
-    from kvpool.backends.mooncake import load_store_module
-    from kvpool.errors import BackendUnavailableError
-    from kvpool.mooncake_master import find_master_binary
-
-    try:
-        load_store_module()
-        find_master_binary()
-    except BackendUnavailableError as exc:
-        pytest.skip(str(exc))
 
 
 def child_env() -> dict[str, str]:

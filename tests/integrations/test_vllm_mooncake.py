@@ -23,6 +23,7 @@ import pytest
 from kvpool.backends.base import Status
 from kvpool.integrations.vllm import _LOCAL_SCHEDULERS, local_worker
 from kvpool.testing.engine import GreedyResult, assert_same_greedy, engine, generate_greedy
+from kvpool.testing.mooncake import mooncake_or_skip
 
 from .conftest import BLOCK, random_prompts
 from .conftest_mooncake import (
@@ -30,7 +31,6 @@ from .conftest_mooncake import (
     SegmentHolder,
     child_env,
     mooncake_connector,
-    mooncake_or_skip,
     read_ready,
     run_engine_process,
     wait_until,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,8 +147,6 @@ class ModelPlan:
 
 
 def _with(fp: LayoutFingerprint, **changes: Any) -> LayoutFingerprint:
-    from dataclasses import replace
-
     return replace(fp, **changes)
 
 
@@ -187,8 +185,8 @@ def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: 
                 dtype=str(getattr(spec, "dtype", model_config.dtype)),
                 block_size=kind.block_size,
                 kv_layout=f"{device}:{layout}:{isa}:{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}",
-                chunk_bytes=spec.page_size_bytes,
-                num_layers=len(group.layer_names),
+                chunk_bytes=spec.page_size_bytes,  # per layer; the layers come from pp_rank of pp_size
+                pp_size=pp_size,
                 group_id=group_id,
                 attention=kind.describe(),
                 hash_algo=f"{hash_algo}:{os.environ.get('PYTHONHASHSEED', '')}",
