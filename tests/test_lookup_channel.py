@@ -41,3 +41,17 @@ def test_server_answers_miss_when_the_pool_raises():
     finally:
         server.close()
         client.close()
+
+
+def test_clear_command_reaches_the_pool():
+    address = channel_address(f"test-{uuid.uuid4().hex}")
+    cleared = []
+    server = LookupServer(address, lambda keys: [True] * len(keys), lambda: cleared.append(1) or 7)
+    client = LookupClient(address, timeout_s=2.0)
+    try:
+        assert client.clear() == 7
+        assert cleared == [1]
+        assert client.exists(["a"]) == [True]
+    finally:
+        server.close()
+        client.close()

@@ -20,6 +20,8 @@ import zmq
 log = logging.getLogger("kvpool.lookup")
 
 Exists = Callable[[list[str]], list[bool]]
+Clear = Callable[[], int]
+CLEAR = b"\x00clear"  # keys never contain NUL, so a command cannot look like a lookup
 
 
 def channel_address(engine_id: str) -> str:
@@ -28,9 +30,10 @@ def channel_address(engine_id: str) -> str:
 
 
 class LookupServer:
-    def __init__(self, address: str, exists: Exists) -> None:
+    def __init__(self, address: str, exists: Exists, clear: Clear | None = None) -> None:
         self.address = address
         self._exists = exists
+        self._clear = clear
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -47,6 +50,9 @@ class LookupServer:
                 continue
             try:
                 payload = self._socket.recv()
+                if payload == CLEAR:
+                    self._socket.send(str(self._clear() if self._clear else -1).encode())
+                    continue
                 keys = payload.decode().split("\n") if payload else []
                 try:
                     found = self._exists(keys)
@@ -89,19 +95,26 @@ class LookupClient:
     def exists(self, keys: list[str]) -> list[bool]:
         if not keys:
             return []
+        reply = self._ask("\n".join(keys).encode())
+        if len(reply) != len(keys):
+            raise RuntimeError(f"lookup answer has {len(reply)} entries for {len(keys)} keys")
+        return [bool(b) for b in reply]
+
+    def clear(self) -> int:
+        """Empty the remote pool; returns how many chunks went (-1: the server cannot clear)."""
+        return int(self._ask(CLEAR).decode())
+
+    def _ask(self, payload: bytes) -> bytes:
         if self._socket is None:
             self._socket = self._connect()
         try:
-            self._socket.send("\n".join(keys).encode())
-            reply = self._socket.recv()
+            self._socket.send(payload)
+            return bytes(self._socket.recv())
         except zmq.Again as exc:
             # a REQ socket that missed its reply is stuck: start a new one next time
             self._socket.close(0)
             self._socket = None
             raise TimeoutError(f"no lookup answer from {self.address} within {self._timeout_ms} ms") from exc
-        if len(reply) != len(keys):
-            raise RuntimeError(f"lookup answer has {len(reply)} entries for {len(keys)} keys")
-        return [bool(b) for b in reply]
 
     def close(self) -> None:
         if self._socket is not None:

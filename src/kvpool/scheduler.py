@@ -246,6 +246,10 @@ class SchedulerEngine:
         self._lookups.pop(req_id, None)
         self._trackers.pop(req_id, None)
 
+    def forget_lookups(self) -> None:
+        """The pool was emptied: no cached answer may be reused."""
+        self._lookups.clear()
+
     def active_requests(self) -> int:
         return len(self._trackers) + len(self._lookups) + len(self._load_failed)
 

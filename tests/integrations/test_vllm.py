@@ -151,6 +151,20 @@ def test_multiprocess_engine_round_trip(model_dir, pool_name):
         first = generate_greedy(llm, prompts, MAX_TOKENS)
         assert llm.reset_prefix_cache()  # only the pool (in the worker process) still has the prefix
         second = generate_greedy(llm, prompts, MAX_TOKENS)
+        assert llm.reset_prefix_cache(reset_connector=True)  # empties the pool over the lookup channel
+        third = generate_greedy(llm, prompts, MAX_TOKENS)
     assert [r.num_cached_tokens for r in first] == [0, 0]
     assert [r.num_cached_tokens for r in second] == [256, 256]
-    assert [r.token_ids for r in second] == [r.token_ids for r in first]
+    assert [r.num_cached_tokens for r in third] == [0, 0]
+    assert [r.token_ids for r in second] == [r.token_ids for r in first] == [r.token_ids for r in third]
+
+
+def test_reset_prefix_cache_with_the_connector_empties_the_pool(model_dir, pool_name):
+    prompts = random_prompts(1, 300, seed=10)
+    with engine(model_dir("llama"), block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        _generate_with_stats(llm, prompts)  # also steps until finished requests release their blocks
+        assert llm.reset_prefix_cache()
+        again, _, _, _, _ = _generate_with_stats(llm, prompts)
+        assert again[0].num_cached_tokens == 256  # from the pool
+        assert llm.reset_prefix_cache(reset_connector=True)
+        assert generate_greedy(llm, prompts, MAX_TOKENS)[0].num_cached_tokens == 0

@@ -309,7 +309,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler_side.finished(request), None
 
     def reset_cache(self) -> bool | None:
-        return None
+        """`reset_prefix_cache(reset_connector=True)`: empty the pool."""
+        return self._scheduler_side.reset()
 
     # ---- stats (both roles) → vLLM's /metrics and stats log; see kvpool.integrations.vllm_metrics
 
@@ -353,7 +354,7 @@ class _WorkerSide:
         )
         self.server: LookupServer | None = None
         if config.backend == "memory" and plan.tp_rank == 0 and plan.pp_rank == 0 and config.lookup_channel != "direct":
-            self.server = LookupServer(channel_address(connector.engine_id), self.backend.exists)
+            self.server = LookupServer(channel_address(connector.engine_id), self.backend.exists, self.backend.clear)
         self._invalid_blocks: set[int] = set()
         self._device: torch.device | None = None
         self._applied: StepMetadata | None = None
@@ -433,6 +434,7 @@ class _SchedulerSide:
         self._block_tables: dict[str, tuple[list[int], ...]] = {}
         self._client: LookupClient | None = None
         self._own_backend: Backend | None = None
+        self._local: _WorkerSide | None = None
         exists, remote = self._choose_lookup()
         lookup_async = remote if config.lookup_async is None else config.lookup_async
         self.core = SchedulerEngine(
@@ -460,6 +462,7 @@ class _SchedulerSide:
         with _LOCAL_LOCK:
             local = _LOCAL_WORKERS.get(self.connector.engine_id)
         if local is not None and config.lookup_channel != "zmq":
+            self._local = local
             return local.backend.exists, False
         if config.lookup_channel == "direct":
             raise ConfigError("lookup_channel", "direct", "'auto' or 'zmq' when the worker runs in another process")
@@ -602,6 +605,20 @@ class _SchedulerSide:
         loading = self._loading.pop(req_id, None) is not None
         # a pending load still writes into the blocks: vLLM frees them when it reports finished_recving
         return saving or loading
+
+    def reset(self) -> bool:
+        self.core.forget_lookups()
+        try:
+            if self._own_backend is not None:
+                self._own_backend.clear()
+            elif self._local is not None:
+                self._local.backend.clear()
+            elif self._client is not None:
+                return self._client.clear() >= 0
+            return True
+        except Exception:
+            log.exception("could not empty the pool")
+            return False
 
     def close(self) -> None:
         with _LOCAL_LOCK:
