@@ -25,10 +25,3 @@ def as_u8(buf: Any) -> np.ndarray:
         return buf.reshape(-1).view(torch.uint8).numpy()
     return np.frombuffer(buf, dtype=np.uint8)
 
-
-def nbytes(buf: Any) -> int:
-    if isinstance(buf, np.ndarray):
-        return int(buf.nbytes)
-    if type(buf).__module__.startswith("torch"):
-        return int(buf.numel() * buf.element_size())
-    return memoryview(buf).nbytes

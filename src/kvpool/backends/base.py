@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvpool.buffers import nbytes
 from kvpool.errors import ConfigError
 
 Buffer = Any  # anything exposing the buffer protocol (numpy array, memoryview, bytearray)
@@ -77,10 +76,6 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def value_nbytes(value: Value) -> int:
-    return sum(nbytes(piece) for piece in value)
 
 
 BACKEND_NAMES = ("memory", "mooncake")
