@@ -263,6 +263,23 @@ def test_empty_batches_and_bad_arguments(backend: Backend) -> None:
         backend.get_into(["a"], [])
 
 
+def test_unusable_buffers_raise_before_the_pool_is_touched(backend: Backend) -> None:
+    keys = unique_keys(2)
+    good = random_value([4 * KiB], seed=1)
+    strided = [np.zeros(8 * KiB, np.uint8)[::2]]
+    with pytest.raises(TypeError, match="not contiguous"):
+        backend.put(keys, [good, strided])
+    assert backend.exists(keys) == [False, False], "nothing of a rejected batch is stored"
+
+    assert backend.put(keys, [good, good]) == [Status.OK, Status.OK]
+    read_only = np.zeros(4 * KiB, np.uint8)
+    read_only.flags.writeable = False
+    target = np.zeros(4 * KiB, np.uint8)
+    with pytest.raises(TypeError, match="read-only"):
+        backend.get_into(keys, [[target], [read_only]])
+    assert not target.any(), "nothing of a rejected batch is read"
+
+
 def test_empty_values_are_rejected(backend: Backend) -> None:
     (key,) = unique_keys(1)
     assert backend.put([key], [[]]) == [Status.ERROR]

@@ -42,8 +42,8 @@ class MemoryBackend:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
         results: list[Status] = []
-        for key, value in zip(keys, values):
-            pieces = [as_u8(piece) for piece in value]
+        prepared = [[as_u8(piece) for piece in value] for value in values]  # bad buffers raise before any store
+        for key, pieces in zip(keys, prepared):
             size = sum(piece.size for piece in pieces)
             target = self._reserve(key, size)
             if not isinstance(target, np.ndarray):
@@ -62,8 +62,8 @@ class MemoryBackend:
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
         results: list[Status] = []
         stats = self._stats
-        for key, dest in zip(keys, dests):
-            pieces = [as_u8(piece) for piece in dest]
+        prepared = [_writable_u8(dest) for dest in dests]  # bad buffers raise before any read
+        for key, pieces in zip(keys, prepared):
             with self._lock:
                 stored = self._items.get(key)
                 if stored is None:
@@ -193,3 +193,10 @@ def shared_memory_pool(name: str = "default", capacity_bytes: int = DEFAULT_CAPA
 def drop_shared_memory_pools() -> None:
     with _shared_lock:
         _shared.clear()
+
+
+def _writable_u8(dest: Value) -> list[np.ndarray]:
+    pieces = [as_u8(piece) for piece in dest]
+    if not all(piece.flags.writeable for piece in pieces):
+        raise TypeError("a destination piece is read-only")
+    return pieces
