@@ -14,6 +14,10 @@ def joined(pieces: list) -> bytes:  # type: ignore[type-arg]
     return b"".join(np.asarray(p).reshape(-1).view(np.uint8).tobytes() for p in pieces)
 
 
+def saved(layout: KVLayout, group: int, block: int) -> bytes:
+    return joined(layout.save_rows(group, [block]).value(0))
+
+
 def test_blocks_first_and_kv_outer_layers() -> None:
     num_blocks = 6
     first = np.arange(num_blocks * 8, dtype=np.uint16).reshape(num_blocks, 2, 4)  # 16 B per block
@@ -25,14 +29,16 @@ def test_blocks_first_and_kv_outer_layers() -> None:
     assert layout.chunk_nbytes(0) == 16 + 24
     assert layout.chunk_nbytes(1) == 5
     assert not layout.staged
-    pieces = layout.save_pieces(0, 3)
-    assert joined(pieces) == first[3].tobytes() + outer[0, 3].tobytes() + outer[1, 3].tobytes()
-    assert joined(layout.save_pieces(1, 2)) == other[2].tobytes()
-    # host pieces are views: writing a load piece writes the engine's tensor
-    dest = layout.load_pieces(0, 5)
-    for piece in dest:
+    rows = layout.save_rows(0, [3, 1])
+    assert len(rows) == 2 and rows.row_bytes == [16, 12, 12]
+    assert joined(rows.value(0)) == first[3].tobytes() + outer[0, 3].tobytes() + outer[1, 3].tobytes()
+    assert joined(rows.value(1)) == first[1].tobytes() + outer[0, 1].tobytes() + outer[1, 1].tobytes()
+    assert saved(layout, 1, 2) == other[2].tobytes()
+    # host rows are views: writing a loaded row writes the engine's tensor
+    dest = layout.load_rows(0, [5])
+    for piece in dest.value(0):
         piece[:] = 0xAB
-    layout.commit_load(0, 5, dest)
+    layout.commit_rows(0, [5], dest, [True])
     assert (first[5] == 0xABAB).all()
     assert (outer[:, 5].view(np.uint8) == 0xAB).all()
     assert (first[4] != 0xABAB).any()
@@ -47,16 +53,21 @@ def test_staged_copy_matches_zero_copy() -> None:
     staged = KVLayout({"k": k, "v": v}, {"k": 0, "v": 0}, num_blocks, staged=True)
     assert staged.staged and not direct.staged
     assert direct.chunk_nbytes(0) == staged.chunk_nbytes(0) == 2 * 4 * 3 * 4 + 6 * 8
-    for block in range(1, num_blocks):
-        assert joined(staged.save_pieces(0, block)) == joined(direct.save_pieces(0, block))
-    # a staged load lands in the tensors only at commit
-    want = joined(direct.save_pieces(0, 1))
-    dest = staged.load_pieces(0, 4)
-    assert len(dest) == 1 and dest[0].nbytes == len(want)
-    dest[0][:] = np.frombuffer(want, dtype=np.uint8)
-    assert joined(direct.save_pieces(0, 4)) != want
-    staged.commit_load(0, 4, dest)
-    assert joined(direct.save_pieces(0, 4)) == want
+    blocks = list(range(1, num_blocks))
+    staged_rows = staged.save_rows(0, blocks)
+    for index, block in enumerate(blocks):
+        assert joined(staged_rows.value(index)) == saved(direct, 0, block)
+    # a staged load lands in the tensors only at commit, and only for the blocks that arrived
+    want = saved(direct, 0, 1)
+    before = saved(direct, 0, 2)
+    dest = staged.load_rows(0, [4, 2])
+    assert len(dest.arrays) == 1 and dest.row_bytes == [len(want)]
+    dest.value(0)[0][:] = np.frombuffer(want, dtype=np.uint8)
+    dest.value(1)[0][:] = 0
+    assert saved(direct, 0, 4) != want
+    staged.commit_rows(0, [4, 2], dest, [True, False])
+    assert saved(direct, 0, 4) == want
+    assert saved(direct, 0, 2) == before, "a block that did not arrive is left as it was"
     assert torch.equal(k[:, 4], k[:, 1]) and torch.equal(v[4], v[1])
 
 
@@ -64,9 +75,9 @@ def test_staged_save_is_a_copy() -> None:
     tensor = torch.zeros(3, 4, dtype=torch.uint8)
     layout = KVLayout({"x": tensor}, {"x": 0}, 3, staged=True)
     tensor[1] = 5
-    pieces = layout.save_pieces(0, 1)
+    rows = layout.save_rows(0, [1])
     tensor[1] = 9  # the engine overwrites the block after the copy
-    assert joined(pieces) == bytes([5] * 4)
+    assert joined(rows.value(0)) == bytes([5] * 4)
 
 
 def test_shared_storage_is_listed_once() -> None:
@@ -92,7 +103,7 @@ def test_bad_layouts() -> None:
         KVLayout({"a": np.zeros((3, 2))}, {"a": 0}, 4)
     layout = KVLayout({"a": np.zeros((4, 2), dtype=np.uint8)}, {"a": 0}, 4)
     for block in (0, 4, -1):  # block 0 is the null block: never saved from or loaded into
+        with pytest.raises(LayoutError, match=rf"\[{block}\] of group 0 are outside 1..3"):
+            layout.save_rows(0, [1, block])
         with pytest.raises(LayoutError, match="outside"):
-            layout.save_pieces(0, block)
-        with pytest.raises(LayoutError, match="outside"):
-            layout.load_pieces(0, block)
+            layout.load_rows(0, [block])

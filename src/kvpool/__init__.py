@@ -2,7 +2,7 @@
 Mooncake pool). The vLLM connector is `kvpool.integrations.vllm.KVPoolConnector`; the core below
 imports neither vLLM nor Mooncake."""
 
-from kvpool.backends.base import Backend, BackendStats, Status, create_backend
+from kvpool.backends.base import Backend, BackendStats, Rows, Status, create_backend
 from kvpool.backends.memory import MemoryBackend, shared_memory_pool
 from kvpool.chunks import process_tokens
 from kvpool.config import KVPoolConfig
@@ -45,6 +45,7 @@ __all__ = [
     "MemoryBackend",
     "PoolFullError",
     "RequestDelta",
+    "Rows",
     "SchedulerConfig",
     "SchedulerEngine",
     "SlidingWindow",

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.backends.base import Rows
 from kvpool.buffers import as_u8
 from kvpool.errors import LayoutError
 
@@ -27,7 +28,7 @@ class KVLayout:
     """Maps (group, block id) to the byte pieces of that block in every layer of the group.
 
     Host tensors are addressed in place (zero copy). Device tensors go through a host staging copy,
-    so the same code serves CUDA: `save_pieces` copies the block out before returning."""
+    so the same code serves CUDA: `save_rows` copies the blocks out before returning."""
 
     def __init__(
         self,
@@ -77,43 +78,54 @@ class KVLayout:
         """(address, bytes) of each distinct storage, for backends that register memory."""
         return self._storages
 
-    def save_pieces(self, group: int, block_id: int) -> list[Any]:
-        """Host buffers holding the block's bytes for every layer of the group, in layer order."""
-        self._check(group, block_id)
+    def save_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
+        """The blocks' bytes in every layer of the group, as one value per block. Host memory is
+        addressed in place; device memory is copied out to the host before this returns."""
+        ids = self._ids(group, block_ids)
+        views = self._views[group]
         if not self.staged:
-            return [view[block_id] for view in self._views[group]]
+            return Rows(tuple(views), ids)
         import torch
 
-        staging = torch.empty(self._block_bytes[group], dtype=torch.uint8)
+        host = torch.empty((len(ids), self._block_bytes[group]), dtype=torch.uint8)
         offset = 0
-        for view in self._views[group]:
-            block = view[block_id].reshape(-1).view(torch.uint8)
-            staging[offset : offset + block.numel()].copy_(block)
-            offset += block.numel()
-        return [staging.numpy()]
+        for view in views:
+            blocks = view[torch.from_numpy(ids).to(view.device)].reshape(len(ids), -1).view(torch.uint8)
+            host[:, offset : offset + blocks.shape[1]].copy_(blocks)
+            offset += blocks.shape[1]
+        return Rows((host.numpy(),), np.arange(len(ids)))
 
-    def load_pieces(self, group: int, block_id: int) -> list[Any]:
-        """Host buffers to receive the block's bytes; call `commit_load` after filling them."""
-        self._check(group, block_id)
+    def load_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
+        """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled."""
+        ids = self._ids(group, block_ids)
         if not self.staged:
-            return [view[block_id] for view in self._views[group]]
-        return [np.empty(self._block_bytes[group], dtype=np.uint8)]
+            return Rows(tuple(self._views[group]), ids)
+        return Rows((np.empty((len(ids), self._block_bytes[group]), dtype=np.uint8),), np.arange(len(ids)))
 
-    def commit_load(self, group: int, block_id: int, pieces: Sequence[Any]) -> None:
+    def commit_rows(self, group: int, block_ids: Sequence[int], rows: Rows, arrived: Sequence[bool]) -> None:
+        """Move the blocks that `arrived` from `load_rows`' host buffer into the engine's memory."""
         if not self.staged:
             return
         import torch
 
-        staging = torch.from_numpy(pieces[0])
+        keep = [index for index, ok in enumerate(arrived) if ok]
+        if not keep:
+            return
+        host = torch.from_numpy(rows.arrays[0][keep])
+        targets = torch.as_tensor([block_ids[index] for index in keep])
         offset = 0
         for view in self._views[group]:
-            block = view[block_id].reshape(-1).view(torch.uint8)
-            block.copy_(staging[offset : offset + block.numel()].to(block.device))
-            offset += block.numel()
+            width = view[0].numel() * view.element_size()
+            source = host[:, offset : offset + width].contiguous().view(view.dtype).reshape(len(keep), *view.shape[1:])
+            view[targets.to(view.device)] = source.to(view.device)
+            offset += width
 
-    def _check(self, group: int, block_id: int) -> None:
-        if not 0 < block_id < self.num_blocks:
-            raise LayoutError(f"block id {block_id} of group {group} is outside 1..{self.num_blocks - 1}")
+    def _ids(self, group: int, block_ids: Sequence[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (int(ids.min()) <= NULL_BLOCK_ID or int(ids.max()) >= self.num_blocks):
+            bad = [int(i) for i in ids if not 0 < i < self.num_blocks]
+            raise LayoutError(f"block ids {bad} of group {group} are outside 1..{self.num_blocks - 1}")
+        return ids
 
 
 def _is_host(tensor: Any) -> bool:

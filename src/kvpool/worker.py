@@ -369,9 +369,13 @@ class WorkerEngine:
         layout = self.layout
         if layout is None:
             raise LayoutError("save before register_layout: the engine's KV memory is unknown")
-        values = [layout.save_pieces(item.group, item.block_id) for item in items]
-        results = self.backend.put([item.key for item in items], values)
-        ok = sum(1 for r in results if r is Status.OK)
+        results = [Status.ERROR] * len(items)
+        for group, positions in _by_group(items).items():
+            rows = layout.save_rows(group, [items[p].block_id for p in positions])
+            statuses = self.backend.put([items[p].key for p in positions], rows)
+            for position, status in zip(positions, statuses):
+                results[position] = status
+        ok = results.count(Status.OK)
         self.stats.chunks_put += ok
         self.stats.bytes_put += sum(
             layout.chunk_nbytes(item.group) for item, r in zip(items, results) if r is Status.OK
@@ -487,18 +491,16 @@ class WorkerEngine:
             if not self.backend.healthy():
                 failed.update(item.block_id for item in items[offset:])
                 break
-            dests = [layout.load_pieces(item.group, item.block_id) for item in part]
             try:
-                results = self.backend.get_into([item.key for item in part], dests)
+                results = self._get_part(layout, part)
             except Exception:
                 # this batch and the ones not tried are unloaded; earlier batches did load
                 log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
                 failed.update(item.block_id for item in items[offset:])
                 break
             corrupt: list[str] = []
-            for item, dest, result in zip(part, dests, results):
+            for item, result in zip(part, results):
                 if result is Status.OK:
-                    layout.commit_load(item.group, item.block_id, dest)
                     self.stats.chunks_loaded += 1
                     self.stats.bytes_loaded += layout.chunk_nbytes(item.group)
                 else:
@@ -511,6 +513,18 @@ class WorkerEngine:
                 self.backend.remove(corrupt)
         self.stats.chunks_load_failed += len(failed)
         return failed
+
+    def _get_part(self, layout: KVLayout, part: list[_Item]) -> list[Status]:
+        """Read one batch into its blocks, one backend call per KV cache group."""
+        results = [Status.ERROR] * len(part)
+        for group, positions in _by_group(part).items():
+            block_ids = [part[p].block_id for p in positions]
+            rows = layout.load_rows(group, block_ids)
+            statuses = self.backend.get_into([part[p].key for p in positions], rows)
+            layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
+            for position, status in zip(positions, statuses):
+                results[position] = status
+        return results
 
     # ---- results for the engine ---------------------------------------------------------------
 
@@ -564,3 +578,14 @@ def _tail(mask: Any, start_tokens: int, block_size: int) -> Any:
     if mask is None:
         return None
     return mask[-(-start_tokens // block_size) :]
+
+
+def _by_group(items: Sequence[_Item]) -> dict[int, list[int]]:
+    """Positions of the items of each KV cache group, in order (one group: every position)."""
+    first = items[0].group if items else 0
+    if all(item.group == first for item in items):
+        return {first: list(range(len(items)))}
+    groups: dict[int, list[int]] = {}
+    for position, item in enumerate(items):
+        groups.setdefault(item.group, []).append(position)
+    return groups

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.backends.base import Backend, Status
+from kvpool.backends.base import Backend, Rows, Status
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -67,6 +67,92 @@ def test_round_trip_of_multi_piece_values(backend: Backend, layout: str) -> None
     values = [random_value(LAYOUTS[layout], seed) for seed in range(5)]
     assert backend.put(keys, values) == [Status.OK] * 5
     assert read_back(backend, keys, values) == [Status.OK] * 5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_read_only_sources_are_stored(backend: Backend, layout: str) -> None:
+    keys = unique_keys(3)
+    values = [random_value(LAYOUTS[layout], seed) for seed in range(3)]
+    for value in values:
+        for piece in value:
+            piece.flags.writeable = False
+    assert backend.put(keys, values) == [Status.OK] * 3
+    assert read_back(backend, keys, values) == [Status.OK] * 3
+
+
+def layer_arrays(sizes: list[int], blocks: int, seed: int) -> tuple[np.ndarray, ...]:
+    """One (blocks, size) byte array per piece size: the layers of a paged KV cache."""
+    rng = np.random.default_rng(seed)
+    return tuple(rng.integers(0, 256, (blocks, size), dtype=np.uint8) for size in sizes)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_rows_round_trip_both_ways(backend: Backend, layout: str) -> None:
+    """Values given as rows of layer arrays store the same bytes as lists of pieces, in both directions."""
+    sizes = LAYOUTS[layout]
+    arrays = layer_arrays(sizes, blocks=12, seed=3)
+    saved = Rows(arrays, np.array([9, 2, 5, 11]))
+    keys = unique_keys(4)
+    assert backend.put(keys, saved) == [Status.OK] * 4
+    assert read_back(backend, keys, saved.values()) == [Status.OK] * 4
+
+    into = tuple(np.zeros_like(array) for array in arrays)
+    assert backend.get_into(keys, Rows(into, np.array([1, 0, 7, 3]))) == [Status.OK] * 4
+    for source, target in zip(arrays, into):
+        assert np.array_equal(target[[1, 0, 7, 3]], source[[9, 2, 5, 11]])
+        untouched = [row for row in range(12) if row not in (1, 0, 7, 3)]
+        assert not target[untouched].any(), "rows outside the batch stay as they were"
+
+    listed = [random_value(sizes, seed) for seed in range(2)]
+    other = unique_keys(2)
+    assert backend.put(other, listed) == [Status.OK] * 2
+    into = tuple(np.zeros_like(array) for array in arrays)
+    assert backend.get_into(other, Rows(into, np.array([4, 6]))) == [Status.OK] * 2
+    assert same(Rows(into, np.array([4, 6])).value(1), listed[1])
+
+
+def test_rows_reads_fill_only_what_arrived(backend: Backend) -> None:
+    arrays = layer_arrays([2 * KiB] * 8, blocks=6, seed=4)
+    keys = unique_keys(3)
+    assert backend.put([keys[0], keys[2]], Rows(arrays, np.array([1, 2]))) == [Status.OK] * 2
+    into = tuple(np.zeros_like(array) for array in arrays)
+    assert backend.get_into(keys, Rows(into, np.array([3, 4, 5]))) == [Status.OK, Status.MISSING, Status.OK]
+    assert same(Rows(into, np.array([3, 5])).values()[0], Rows(arrays, np.array([1])).values()[0])
+    assert same(Rows(into, np.array([5])).value(0), Rows(arrays, np.array([2])).value(0))
+    assert not any(array[4].any() for array in into), "a missing key leaves its block as it was"
+    narrow = tuple(np.zeros((6, 2 * KiB - 1), np.uint8) for _ in range(8))
+    assert backend.get_into(keys[:1], Rows(narrow, np.array([0]))) == [Status.SIZE_MISMATCH]
+
+
+def test_rows_batches_larger_than_the_staging_buffer(backend: Backend) -> None:
+    arrays = layer_arrays([8 * KiB] * 32, blocks=40, seed=5)  # 10 MiB of small pieces
+    keys = unique_keys(40)
+    ids = np.arange(40)[::-1].copy()
+    assert backend.put(keys, Rows(arrays, ids)) == [Status.OK] * 40
+    into = tuple(np.zeros_like(array) for array in arrays)
+    assert backend.get_into(keys, Rows(into, ids)) == [Status.OK] * 40
+    assert all(np.array_equal(source, target) for source, target in zip(arrays, into))
+
+
+def test_bad_rows_raise_before_the_pool_is_touched(backend: Backend) -> None:
+    arrays = layer_arrays([KiB] * 2, blocks=4, seed=6)
+    with pytest.raises(TypeError, match="2-D uint8"):
+        Rows((arrays[0].view(np.uint16),), np.array([0]))
+    with pytest.raises(TypeError, match="contiguous"):
+        Rows((np.zeros((4, 8), np.uint8)[:, ::2],), np.array([0]))
+    with pytest.raises(ValueError, match=r"0\.\.3"):
+        Rows(arrays, np.array([4]))
+    with pytest.raises(TypeError, match="integer"):
+        Rows(arrays, np.array([0.5]))
+    keys = unique_keys(2)
+    with pytest.raises(ValueError):
+        backend.put(keys, Rows(arrays, np.array([0])))
+    assert backend.put(keys, Rows(arrays, np.array([0, 1]))) == [Status.OK] * 2
+    frozen = tuple(np.zeros_like(array) for array in arrays)
+    frozen[1].flags.writeable = False
+    with pytest.raises(TypeError, match="read-only"):
+        backend.get_into(keys, Rows(frozen, np.array([2, 3])))
+    assert not frozen[0].any()
 
 
 def test_round_trip_of_tensors_and_memoryviews(backend: Backend) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.backends.base import Status
+from kvpool.backends.base import Rows, Status
 from kvpool.backends.mooncake import MooncakeBackend, _Batch, _pack, _Route
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
@@ -113,3 +113,50 @@ def test_staged_remote_batch_keeps_per_key_results(pair: tuple[MooncakeBackend, 
     for i in ok:
         expected = values[int(keys[i].rsplit("/", 1)[1])]
         assert all(np.array_equal(piece, got) for piece, got in zip(expected, dests[i]))
+
+
+def test_staged_remote_rows_round_trip_over_several_rounds(pair: tuple[MooncakeBackend, _CountingStore]) -> None:
+    """A Rows batch (block ids into layer arrays) takes the same staged rounds as lists of pieces."""
+    client, counting = pair
+    rng = np.random.default_rng(11)
+    layers = tuple(rng.integers(0, 256, (40, 16 * KiB), dtype=np.uint8) for _ in range(4))
+    ids = rng.permutation(40)[:24]
+    keys = [f"rows/{i}" for i in range(24)]
+    batch = _Batch(keys, Rows(layers, ids), writable=False, staging_bytes=client._put_staging.size)
+    assert batch.routes[_Route.STAGED] == list(range(24))
+    packed = _pack(batch.totals, batch.routes[_Route.STAGED], client._put_staging.size)
+    assert len(packed) >= 3
+
+    assert client.put(keys, Rows(layers, ids)) == [Status.OK] * 24
+    assert counting.calls == {"batch_put_from": [len(round_) for round_ in packed]}
+    into = tuple(np.zeros_like(layer) for layer in layers)
+    assert client.get_into([*keys[:5], "rows/absent", *keys[5:]], Rows(into, np.arange(25))) == (
+        [Status.OK] * 5 + [Status.MISSING] + [Status.OK] * 19
+    )
+    assert len(counting.calls["batch_get_into"]) == len(packed) + 1
+    got = [np.concatenate([layer[row] for layer in into]) for row in (*range(5), *range(6, 25))]
+    want = [np.concatenate([layer[row] for layer in layers]) for row in ids]
+    assert len(got) == len(want) == 24
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert not any(layer[5].any() for layer in into), "the missing key's block is left as it was"
+
+
+@pytest.mark.parametrize("form", ["pieces", "rows"])
+def test_staged_values_go_in_place_while_the_staging_area_is_busy(
+    pair: tuple[MooncakeBackend, _CountingStore], form: str
+) -> None:
+    """Another call holding the staging area (a save and a load on two threads) must not make this one
+    wait or fail: its small-piece values take Mooncake's multi-buffer calls instead."""
+    client, counting = pair
+    rng = np.random.default_rng(12)
+    layers = tuple(rng.integers(0, 256, (6, 16 * KiB), dtype=np.uint8) for _ in range(4))
+    ids = np.array([5, 0, 3])
+    keys = [f"busy/{form}/{i}" for i in range(3)]
+    into = tuple(np.zeros_like(layer) for layer in layers)
+    values = Rows(layers, ids) if form == "rows" else Rows(layers, ids).values()
+    dests = Rows(into, ids) if form == "rows" else Rows(into, ids).values()
+    with client._put_staging.lock, client._get_staging.lock:
+        assert client.put(keys, values) == [Status.OK] * 3
+        assert client.get_into(keys, dests) == [Status.OK] * 3
+    assert set(counting.calls) == {"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"}
+    assert all(np.array_equal(source[ids], target[ids]) for source, target in zip(layers, into))

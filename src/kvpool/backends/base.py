@@ -2,20 +2,76 @@
 
 A value is a sequence of buffer pieces (numpy uint8 arrays, memoryviews, anything with the buffer
 protocol). A put stores the concatenation of its pieces; a get scatters the stored bytes into the
-pieces, whose sizes must add up to the stored size.
+pieces, whose sizes must add up to the stored size. A batch of values can also come as `Rows`: the
+same rows of several 2-D byte arrays, which is how an engine's paged KV cache holds a chunk.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from kvpool.errors import ConfigError
 
 Buffer = Any  # anything exposing the buffer protocol (numpy array, memoryview, bytearray)
 Value = Sequence[Buffer]
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """A batch of values laid out as rows of 2-D byte arrays: value k is row `ids[k]` of every array, in
+    array order, back to back (block `ids[k]` of every layer of a paged KV cache). Backends move such a
+    batch with a few numpy operations per array instead of a Python step per piece.
+
+    >>> Rows((k_cache, v_cache), np.array([7, 3]))  # two values: block 7 of K then V, block 3 of K then V
+    """
+
+    arrays: tuple[np.ndarray, ...]
+    ids: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.arrays:
+            raise ValueError("Rows needs at least one array")
+        for index, array in enumerate(self.arrays):
+            if not (
+                isinstance(array, np.ndarray)
+                and array.dtype == np.uint8
+                and array.ndim == 2
+                and (array.shape[1] < 2 or array.strides[1] == 1)
+            ):
+                shape = getattr(array, "shape", None)
+                raise TypeError(
+                    f"Rows array {index} (type {type(array).__name__}, shape {shape}): "
+                    "expected a 2-D uint8 numpy array whose rows are contiguous"
+                )
+        ids = self.ids
+        if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu"):
+            raise TypeError(f"Rows ids (type {type(ids).__name__}): expected a 1-D integer numpy array")
+        rows = min(array.shape[0] for array in self.arrays)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise ValueError(f"Rows ids {ids.tolist()}: every id must be in 0..{rows - 1}")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def row_bytes(self) -> list[int]:
+        return [array.shape[1] for array in self.arrays]
+
+    def value(self, index: int) -> list[np.ndarray]:
+        row = self.ids[index]
+        return [array[row] for array in self.arrays]
+
+    def values(self) -> list[list[np.ndarray]]:
+        """One list of pieces per value, for code that takes the general form."""
+        return [[array[row] for array in self.arrays] for row in self.ids.tolist()]
+
+
+Values = Sequence[Value] | Rows
 
 
 class Status(enum.IntEnum):
@@ -53,11 +109,11 @@ class Backend(Protocol):
         """Presence of each key; a backend fault answers False (a miss), never raises."""
         ...
 
-    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+    def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         """Store each value (the concatenation of its pieces). An existing key is left as is (OK)."""
         ...
 
-    def get_into(self, keys: Sequence[str], dests: Sequence[Value]) -> list[Status]:
+    def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         """Copy each stored value into its destination pieces."""
         ...
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.backends.base import BackendStats, Status, Value
+from kvpool.backends.base import BackendStats, Rows, Status, Value, Values
 from kvpool.buffers import as_u8
 from kvpool.errors import ConfigError
 
@@ -38,9 +38,11 @@ class MemoryBackend:
             items = self._items
             return [key in items for key in keys]
 
-    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+    def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
+        if isinstance(values, Rows):
+            values = values.values()
         results: list[Status] = []
         prepared = [[as_u8(piece) for piece in value] for value in values]  # bad buffers raise before any store
         for key, pieces in zip(keys, prepared):
@@ -57,9 +59,11 @@ class MemoryBackend:
             results.append(Status.OK)
         return results
 
-    def get_into(self, keys: Sequence[str], dests: Sequence[Value]) -> list[Status]:
+    def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         if len(keys) != len(dests):
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
+        if isinstance(dests, Rows):
+            dests = dests.values()
         results: list[Status] = []
         stats = self._stats
         prepared = [_writable_u8(dest) for dest in dests]  # bad buffers raise before any read

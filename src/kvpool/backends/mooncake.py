@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpool.backends.base import BackendStats, Status, Value
+from kvpool.backends.base import BackendStats, Rows, Status, Value, Values
 from kvpool.buffers import as_u8
 from kvpool.errors import BackendUnavailableError, ConfigError
 
@@ -237,45 +237,46 @@ _FAST_PATH_ERRORS = (TypeError, ValueError, AttributeError, BufferError)
 
 
 class _Batch:
-    """Every value of one call as flat byte views of its pieces, split by route. The views keep the
-    caller's memory alive for the call.
+    """Every value of one call as the byte sizes of its pieces, split by route, with what each route
+    needs: the pieces of staged values (packed into or scattered from the staging area by `pack` and
+    `unpack`) and the addresses of the others (Mooncake reads or writes those in place; the caller's
+    values keep that memory alive for the call). All are taken before any native call, so an unusable
+    buffer raises before the pool is touched.
 
-    Staging copies go view to view (a memoryview slice assignment: a plain memcpy, ~0.15 µs of overhead
-    a piece, a fifth of a ctypes.memmove call); addresses are taken only for the pieces Mooncake reads
-    or writes in place. The common case (contiguous numpy arrays: the engine's KV rows) costs ~0.2 µs a
-    piece; anything else (torch tensors, non-contiguous or empty pieces) takes the general path (as_u8).
+    Costs: a `Rows` batch takes a few Python steps per array and per value, not per piece. Lists of
+    pieces take ~0.3 µs a piece on the common case (contiguous numpy arrays), and their staging copies
+    go view to view (a memoryview slice assignment is a plain memcpy with ~0.15 µs of overhead, a fifth
+    of a ctypes.memmove call); anything else (torch tensors, bytes, read-only, non-contiguous or empty
+    pieces) takes the general path (as_u8).
 
     `local`: keys whose transfer stays in this process (Mooncake's memcpy path). Pieces cost next to
     nothing there, so their values are never staged: staging would add a copy to a copy."""
 
-    __slots__ = ("_ptrs", "invalid", "routes", "sizes", "totals", "views")
+    __slots__ = ("invalid", "ptrs", "routes", "rows", "sizes", "totals", "views")
 
     def __init__(
         self,
         keys: Sequence[str],
-        values: Sequence[Value],
+        values: Values,
         writable: bool,
         staging_bytes: int,
         local: Callable[[str], bool] | None = None,
     ) -> None:
-        self.views: list[list[memoryview]]
-        self.sizes: list[list[int]]
-        self._ptrs: dict[int, list[int]] = {}
         single: list[int] = []
         staged: list[int] = []
         multi: list[int] = []
         self.routes: dict[_Route, list[int]] = {_Route.SINGLE: single, _Route.STAGED: staged, _Route.MULTI: multi}
         self.invalid: list[int] = []  # empty key or empty value
+        self.views: list[list[memoryview]] = []  # per value; filled for staged values of a list batch
+        self.ptrs: list[list[int]] = []  # per value; filled for the values moved in place
+        self.rows: Rows | None = None
+        if isinstance(values, Rows):
+            self._init_rows(keys, values, writable, staging_bytes, local)
+            return
         try:  # the whole batch at once: comprehensions cost far less per piece than a loop
-            self.views = [[memoryview(piece).cast("B") for piece in value] for value in values]
-            self.sizes = [[view.nbytes for view in views] for views in self.views]
-            if writable and any(view.readonly for views in self.views for view in views):
-                raise TypeError("read-only destination")  # the general path names it
-            if any(0 in sizes for sizes in self.sizes):
-                raise ValueError("empty piece")  # the general path drops them
-        except _FAST_PATH_ERRORS:  # torch tensors, non-contiguous, empty or read-only pieces...
-            self.views = [_u8_views(value, writable) for value in values]
-            self.sizes = [[view.nbytes for view in views] for views in self.views]
+            self.sizes = [[piece.nbytes for piece in value] for value in values]
+        except AttributeError:  # bytes and other plain buffers
+            self.sizes = [[as_u8(piece).size for piece in value] for value in values]
         self.totals = totals = [sum(sizes) for sizes in self.sizes]
         for index, (key, sizes, total) in enumerate(zip(keys, self.sizes, totals)):
             if not key or not total:
@@ -286,19 +287,161 @@ class _Batch:
                 staged.append(index)
             else:
                 multi.append(index)
+        self.views = [[] for _ in keys]
+        self.ptrs = [[] for _ in keys]
+        try:
+            self._prepare(values, writable)
+        except _FAST_PATH_ERRORS:
+            self._prepare_general(values, writable)
 
-    def ptrs(self, index: int) -> list[int]:
-        """Addresses of the value's pieces, for Mooncake to read or write in place."""
-        ptrs = self._ptrs.get(index)
-        if ptrs is None:
-            ptrs = self._ptrs[index] = [_address(view) for view in self.views[index]]
-        return ptrs
+    def _init_rows(
+        self,
+        keys: Sequence[str],
+        rows: Rows,
+        writable: bool,
+        staging_bytes: int,
+        local: Callable[[str], bool] | None,
+    ) -> None:
+        arrays = rows.arrays
+        if writable and not all(array.flags.writeable for array in arrays):
+            raise TypeError("a destination array is read-only")
+        sizes = [array.shape[1] for array in arrays]
+        if 0 in sizes:  # Mooncake skips empty pieces: drop them
+            arrays = tuple(array for array in arrays if array.shape[1])
+            sizes = [size for size in sizes if size]
+            rows = Rows(arrays, rows.ids) if arrays else rows
+        total = sum(sizes)
+        count = len(keys)
+        self.rows = rows
+        self.sizes = [sizes] * count
+        self.totals = [total] * count
+        if not total:
+            self.invalid.extend(range(count))
+            return
+        single, staged, multi = self.routes.values()
+        if len(sizes) == 1:
+            route = single
+        elif total <= staging_bytes and min(sizes) < SMALL_PIECE_BYTES:
+            route = staged
+        else:
+            route = multi
+        if all(keys) and (route is not staged or local is None):
+            route.extend(range(count))  # the common case: one route for the whole batch
+        else:
+            for index, key in enumerate(keys):
+                if not key:
+                    self.invalid.append(index)
+                elif route is staged and local is not None and local(key):
+                    multi.append(index)
+                else:
+                    route.append(index)
+        self.ptrs = [[] for _ in keys]
+        self._fill_addresses(single if route is single else multi)
+
+    def _prepare(self, values: Sequence[Value], writable: bool) -> None:
+        views, ptrs, sizes = self.views, self.ptrs, self.sizes
+        staged = self.routes[_Route.STAGED]
+        for index in staged:
+            views[index] = [memoryview(piece).cast("B") for piece in values[index]]
+        if staged and (
+            True in [0 in sizes[i] for i in staged]
+            or (writable and True in [view.readonly for i in staged for view in views[i]])
+        ):
+            raise ValueError("empty or read-only pieces")  # the general path drops or names them
+        address, from_buffer = _addressof, _from_buffer  # from_buffer refuses read-only and empty pieces
+        for index in (*self.routes[_Route.SINGLE], *self.routes[_Route.MULTI]):
+            ptrs[index] = [address(from_buffer(piece)) for piece in values[index]]
+
+    def _prepare_general(self, values: Sequence[Value], writable: bool) -> None:
+        staged = set(self.routes[_Route.STAGED])
+        for indices in self.routes.values():
+            for index in indices:
+                u8 = _u8_views(values[index], writable)
+                self.sizes[index] = [view.size for view in u8]
+                self.views[index] = [view.data for view in u8] if index in staged else []
+                self.ptrs[index] = [] if index in staged else [int(view.ctypes.data) for view in u8]
+
+    def addresses(self, indices: list[int]) -> list[list[int]]:
+        """The piece addresses of the values at `indices`: taken up front for the values moved in place,
+        here for staged ones that go in place after all (while another call holds the staging area)."""
+        ptrs = self.ptrs
+        self._fill_addresses([index for index in indices if not ptrs[index]])
+        return [ptrs[index] for index in indices]
+
+    def _fill_addresses(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        ptrs = self.ptrs
+        if self.rows is not None:
+            columns = [(_base_address(array), array.strides[0]) for array in self.rows.arrays]
+            ids = self.rows.ids.tolist()
+            for index in indices:
+                row = ids[index]
+                ptrs[index] = [base + row * stride for base, stride in columns]
+        else:  # staged list values: from their byte views
+            for index in indices:
+                ptrs[index] = [_base_address(view) for view in self.views[index]]
+
+    def pack(self, indices: list[int], staging: _Staging) -> list[int]:
+        """Copy the values at `indices` back to back into the staging area; their addresses there."""
+        starts = self.starts(indices)
+        if self.rows is not None:
+            region = self._region(len(indices), staging)
+            ids = self.rows.ids[indices]
+            offset = 0
+            for array in self.rows.arrays:
+                width = array.shape[1]
+                region[:, offset : offset + width] = array[ids]
+                offset += width
+        else:
+            area, views, sizes = staging.view, self.views, self.sizes
+            for index, start in zip(indices, starts):
+                for view, size in zip(views[index], sizes[index]):
+                    area[start : start + size] = view
+                    start += size
+        return [staging.base + start for start in starts]
+
+    def unpack(self, indices: list[int], arrived: list[bool], staging: _Staging) -> None:
+        """Scatter the values at `indices`, laid out as `pack` lays them, from the staging area into
+        their pieces: only those that `arrived` whole."""
+        if self.rows is not None:
+            region = self._region(len(indices), staging)
+            ids = self.rows.ids[indices]
+            if not all(arrived):
+                region, ids = region[arrived], ids[arrived]
+            offset = 0
+            for array in self.rows.arrays:
+                width = array.shape[1]
+                array[ids] = region[:, offset : offset + width]
+                offset += width
+            return
+        area, views, sizes = staging.view, self.views, self.sizes
+        for index, start, ok in zip(indices, self.starts(indices), arrived):
+            if ok:
+                for view, size in zip(views[index], sizes[index]):
+                    view[:] = area[start : start + size]
+                    start += size
+
+    def starts(self, indices: list[int]) -> list[int]:
+        """Offsets of the values at `indices` laid back to back, as `pack` lays them."""
+        starts = []
+        offset = 0
+        totals = self.totals
+        for index in indices:
+            starts.append(offset)
+            offset += totals[index]
+        return starts
+
+    def _region(self, count: int, staging: _Staging) -> np.ndarray:
+        total = self.totals[0]
+        return staging.array[: count * total].reshape(count, total)
 
 
-def _address(view: memoryview) -> int:
-    if not view.readonly:
-        return _addressof(_from_buffer(view))
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+def _base_address(array: Any) -> int:
+    try:
+        return _addressof(_from_buffer(array))  # a quarter of the cost of .ctypes.data
+    except TypeError:  # read-only
+        return int(np.frombuffer(array, dtype=np.uint8).ctypes.data)
 
 
 def _pick(items: Sequence[_T], indices: list[int], whole: bool) -> list[_T]:
@@ -306,25 +449,25 @@ def _pick(items: Sequence[_T], indices: list[int], whole: bool) -> list[_T]:
     return list(items) if whole else [items[i] for i in indices]
 
 
-def _u8_views(value: Value, writable: bool) -> list[memoryview]:
+def _u8_views(value: Value, writable: bool) -> list[np.ndarray]:
     views = []
     for piece in value:
         view = as_u8(piece)
         if writable and not view.flags.writeable:
             raise TypeError("a destination piece is read-only")
         if view.size:  # Mooncake skips empty pieces; drop them before they reach a pointer list
-            views.append(view.data)
+            views.append(view)
     return views
 
 
-def _duplicates(keys: Sequence[str], indices: list[int]) -> dict[int, int]:
+def _duplicates(keys: Sequence[str], batch: _Batch) -> dict[int, int]:
     """Later occurrences of a key -> the index of its first one, whose status they share.
     Mooncake lets the last duplicate win within a batch; kvpool's contract is the first, as across calls."""
     if len(set(keys)) == len(keys):
         return {}
     first: dict[str, int] = {}
     duplicates: dict[int, int] = {}
-    for index in indices:
+    for index in sorted(i for indices in batch.routes.values() for i in indices):
         seen = first.setdefault(keys[index], index)
         if seen != index:
             duplicates[index] = seen
@@ -348,9 +491,10 @@ class _Staging:
     """One contiguous area that small pieces are packed into (puts) or scattered from (gets); the lock
     keeps one call at a time on it (another takes the multi-buffer route meanwhile)."""
 
-    __slots__ = ("base", "lock", "size", "view")
+    __slots__ = ("array", "base", "lock", "size", "view")
 
     def __init__(self, area: np.ndarray) -> None:
+        self.array = area
         self.view = area.data
         self.base = int(area.ctypes.data)
         self.size = int(area.size)
@@ -651,7 +795,7 @@ class MooncakeBackend:
             return [False] * len(keys)
         return [code == 1 for code in codes]
 
-    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
+    def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
         if not keys:
@@ -664,7 +808,7 @@ class MooncakeBackend:
         self._count_puts(keys, batch, results)
         return results
 
-    def get_into(self, keys: Sequence[str], dests: Sequence[Value]) -> list[Status]:
+    def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         if len(keys) != len(dests):
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
         if not keys:
@@ -715,8 +859,7 @@ class MooncakeBackend:
 
     def _put_admitted(self, keys: Sequence[str], batch: _Batch, results: list[Status]) -> str | None:
         store, config = self._store, self._replicate
-        valid = [i for indices in batch.routes.values() for i in indices]
-        duplicates = _duplicates(keys, sorted(valid))
+        duplicates = _duplicates(keys, batch)
         failure: str | None = None
         for route, indices in batch.routes.items():
             unique = [i for i in indices if i not in duplicates] if duplicates else indices
@@ -731,7 +874,7 @@ class MooncakeBackend:
                 whole = len(unique) == len(keys)
                 codes = store.batch_put_from(
                     _pick(keys, unique, whole),
-                    [batch.ptrs(i)[0] for i in unique],
+                    [ptrs[0] for ptrs in batch.addresses(unique)],
                     _pick(batch.totals, unique, whole),
                     config,
                 )
@@ -740,7 +883,7 @@ class MooncakeBackend:
                 whole = len(unique) == len(keys)
                 codes = store.batch_put_from_multi_buffers(
                     _pick(keys, unique, whole),
-                    [batch.ptrs(i) for i in unique],
+                    batch.addresses(unique),
                     _pick(batch.sizes, unique, whole),
                     config,
                 )
@@ -750,18 +893,11 @@ class MooncakeBackend:
         return failure
 
     def _put_staged(self, keys: Sequence[str], batch: _Batch, indices: list[int], results: list[Status]) -> str | None:
-        staging, base = self._put_staging.view, self._put_staging.base
-        views, sizes = batch.views, batch.sizes
-        for round_indices in _pack(batch.totals, indices, self._put_staging.size):
-            offsets = []
-            offset = 0
-            for index in round_indices:
-                offsets.append(base + offset)
-                for view, size in zip(views[index], sizes[index]):
-                    staging[offset : offset + size] = view
-                    offset += size
+        staging = self._put_staging
+        for round_indices in _pack(batch.totals, indices, staging.size):
+            addresses = batch.pack(round_indices, staging)
             codes = self._store.batch_put_from(
-                [keys[i] for i in round_indices], offsets, [batch.totals[i] for i in round_indices], self._replicate
+                [keys[i] for i in round_indices], addresses, [batch.totals[i] for i in round_indices], self._replicate
             )
             failure = self._record(codes, round_indices, results, reading=False)
             if failure is not None:
@@ -783,14 +919,14 @@ class MooncakeBackend:
                 whole = len(indices) == len(keys)
                 codes = store.batch_get_into(
                     _pick(keys, indices, whole),
-                    [batch.ptrs(i)[0] for i in indices],
+                    [ptrs[0] for ptrs in batch.addresses(indices)],
                     _pick(batch.totals, indices, whole),
                 )
                 failure = self._record_reads(codes, batch, indices, results)
             else:
                 whole = len(indices) == len(keys)
                 codes = store.batch_get_into_multi_buffers(
-                    _pick(keys, indices, whole), [batch.ptrs(i) for i in indices], _pick(batch.sizes, indices, whole)
+                    _pick(keys, indices, whole), batch.addresses(indices), _pick(batch.sizes, indices, whole)
                 )
                 failure = self._record_reads(codes, batch, indices, results)
                 if MooncakeErrorCode.TRANSFER_FAIL in codes:
@@ -798,25 +934,16 @@ class MooncakeBackend:
         return failure
 
     def _get_staged(self, keys: Sequence[str], batch: _Batch, indices: list[int], results: list[Status]) -> str | None:
-        staging, base = self._get_staging.view, self._get_staging.base
-        views, sizes = batch.views, batch.sizes
-        for round_indices in _pack(batch.totals, indices, self._get_staging.size):
-            starts = []
-            offset = 0
-            for index in round_indices:
-                starts.append(offset)
-                offset += batch.totals[index]
+        staging = self._get_staging
+        for round_indices in _pack(batch.totals, indices, staging.size):
+            starts = batch.starts(round_indices)
             codes = self._store.batch_get_into(
                 [keys[i] for i in round_indices],
-                [base + start for start in starts],
+                [staging.base + start for start in starts],
                 [batch.totals[i] for i in round_indices],
             )
             failure = self._record_reads(codes, batch, round_indices, results)
-            for index, start in zip(round_indices, starts):
-                if results[index] is Status.OK:  # scatter only what arrived whole
-                    for view, size in zip(views[index], sizes[index]):
-                        view[:] = staging[start : start + size]
-                        start += size
+            batch.unpack(round_indices, [results[i] is Status.OK for i in round_indices], staging)
             if failure is not None:
                 return failure
         return None

@@ -114,10 +114,7 @@ def _full_save(cell: _Cell, backend: MemoryBackend, request: _Request, token_len
     present = backend.exists(keys)
     missing = [i for i, there in enumerate(present) if not there]
     if missing:
-        backend.put(
-            [keys[i] for i in missing],
-            [cell.layout.save_pieces(0, blocks[i]) for i in missing],
-        )
+        backend.put([keys[i] for i in missing], cell.layout.save_rows(0, [blocks[i] for i in missing]))
     return len(keys)
 
 
