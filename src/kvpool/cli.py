@@ -13,6 +13,16 @@ bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a t
 app.add_typer(bench_app, name="bench")
 
 
+def _ints(option: str, text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{text!r}: expected positive integers separated by commas", param_hint=option)
+    return values
+
+
 def _emit(result: dict, as_json: bool, table: object) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -46,8 +56,8 @@ def bench_store_path(
     from kvpool.benchmarks import store_path
 
     result = store_path.run(
-        contexts=[int(x) for x in contexts.split(",")],
-        block_sizes=[int(x) for x in block_sizes.split(",")],
+        contexts=_ints("--contexts", contexts),
+        block_sizes=_ints("--block-sizes", block_sizes),
         requests=requests,
         steps=steps,
     )
@@ -58,11 +68,19 @@ def bench_store_path(
 def bench_transfer(
     backend: Annotated[str, typer.Option(help="memory or mooncake")] = "memory",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    pieces: Annotated[str, typer.Option(help="pieces per chunk (layers), comma separated")] = "4,1",
+    keys: Annotated[int, typer.Option(help="chunks per batch", min=1)] = 32,
+    reps: Annotated[int, typer.Option(help="timed rounds per cell (the median is reported)", min=1)] = 9,
 ) -> None:
     """Save/load throughput per chunk size next to raw Mooncake and memcpy."""
     from kvpool.benchmarks import transfer
 
-    result = transfer.run(backend=backend)
+    counts = _ints("--pieces", pieces)
+    try:
+        transfer.check_arguments(backend, transfer.CHUNK_SIZES, counts, keys, reps)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    result = transfer.run(backend=backend, pieces=counts, keys_per_batch=keys, reps=reps)
     _emit(result, as_json, transfer.print_table)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -134,11 +135,11 @@ def test_clear_during_a_put_keeps_the_accounting() -> None:
     entered, release = threading.Event(), threading.Event()
 
     class SlowPublish(MemoryBackend):
-        def _publish(self, key: str, array: np.ndarray) -> None:
-            if key == "slow":
+        def _publish(self, published: list[tuple[str, np.ndarray]], reserved: list[str]) -> None:
+            if "slow" in reserved:
                 entered.set()
                 assert release.wait(5)
-            super()._publish(key, array)
+            super()._publish(published, reserved)
 
     pool = SlowPublish(300)
     pool.put(["old"], [value("old", 100)])
@@ -201,3 +202,25 @@ def test_unknown_backend_names_the_allowed_ones() -> None:
     assert info.value.key == "backend" and info.value.value == "nope"
     for name in BACKEND_NAMES:
         assert name in str(info.value)
+
+
+def test_a_copy_that_fails_mid_batch_gives_back_what_it_reserved() -> None:
+    """Keys copied before the failure are stored; the rest leave neither bytes nor a reservation."""
+
+    class BrokenTarget(MemoryBackend):
+        broken = True
+
+        def _reserve(self, keys: Sequence[str], sizes: list[int]) -> list[np.ndarray | Status]:
+            targets = super()._reserve(keys, sizes)
+            if self.broken:
+                targets[1] = np.empty(1, np.uint8)  # the second copy cannot fit: np.concatenate raises
+            return targets
+
+    pool = BrokenTarget(1000)
+    with pytest.raises(ValueError):
+        pool.put(["a", "b", "c"], [[np.ones(50, np.uint8), np.ones(50, np.uint8)] for _ in range(3)])
+    assert pool.exists(["a", "b", "c"]) == [True, False, False]
+    assert pool.stats().used_bytes == 100
+    pool.broken = False
+    assert pool.put(["b"], [[np.ones(100, np.uint8)]]) == [Status.OK]
+    assert pool.stats().used_bytes == 200

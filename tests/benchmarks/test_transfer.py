@@ -87,6 +87,33 @@ def test_cli_json(monkeypatch: pytest.MonkeyPatch) -> None:
     check_shape(json.loads(outcome.output), "memory")
 
 
+def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvpool.cli import app
+
+    seen: dict[str, Any] = {}
+    real_run = transfer.run
+
+    def fake_run(**kwargs: Any) -> dict[str, Any]:
+        seen.update(kwargs)
+        return real_run(chunk_sizes=(64 * KiB,), **{**kwargs, "reps": 1})
+
+    monkeypatch.setattr(transfer, "run", fake_run)
+    outcome = CliRunner().invoke(app, ["bench", "transfer", "--json", "--pieces", "16,2", "--keys", "3", "--reps", "2"])
+    assert outcome.exit_code == 0, outcome.output
+    assert seen == {"backend": "memory", "pieces": [16, 2], "keys_per_batch": 3, "reps": 2}
+    assert {row["pieces"] for row in json.loads(outcome.output)["results"]} == {16, 2}
+
+    for bad, hint in [
+        (["--pieces", "4,x"], "--pieces"),
+        (["--pieces", "3"], "does not split"),
+        (["--keys", "0"], "--keys"),
+    ]:
+        outcome = CliRunner().invoke(app, ["bench", "transfer", *bad])
+        assert outcome.exit_code == 2 and hint in outcome.output, outcome.output
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="backend"):
         transfer.run("disk")

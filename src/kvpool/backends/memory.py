@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.backends.base import BackendStats, Rows, Status, Value, Values
+from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.buffers import as_u8
 from kvpool.errors import ConfigError
 
@@ -41,47 +41,48 @@ class MemoryBackend:
     def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
-        if isinstance(values, Rows):
-            values = values.values()
+        pieces_of, sizes_of = _pieces(values, writable=False)  # bad buffers raise before any store
+        targets = self._reserve(keys, [sum(sizes_of(index)) for index in range(len(keys))])
+        published: list[tuple[str, np.ndarray]] = []
         results: list[Status] = []
-        prepared = [[as_u8(piece) for piece in value] for value in values]  # bad buffers raise before any store
-        for key, pieces in zip(keys, prepared):
-            size = sum(piece.size for piece in pieces)
-            target = self._reserve(key, size)
-            if not isinstance(target, np.ndarray):
-                results.append(target)
-                continue
-            if len(pieces) == 1:
-                target[:] = pieces[0]
-            else:
-                np.concatenate(pieces, out=target)
-            self._publish(key, target)
-            results.append(Status.OK)
+        try:
+            for index, (key, target) in enumerate(zip(keys, targets)):
+                if not isinstance(target, np.ndarray):
+                    results.append(target)
+                    continue
+                pieces = pieces_of(index)
+                if len(pieces) == 1:
+                    target[:] = pieces[0]
+                else:
+                    np.concatenate(pieces, out=target)
+                published.append((key, target))
+                results.append(Status.OK)
+        finally:
+            self._publish(published, [key for key, target in zip(keys, targets) if isinstance(target, np.ndarray)])
         return results
 
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         if len(keys) != len(dests):
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
-        if isinstance(dests, Rows):
-            dests = dests.values()
+        pieces_of, sizes_of = _pieces(dests, writable=True)  # bad buffers raise before any read
         results: list[Status] = []
         stats = self._stats
-        prepared = [_writable_u8(dest) for dest in dests]  # bad buffers raise before any read
-        for key, pieces in zip(keys, prepared):
+        for index, key in enumerate(keys):
+            pieces, sizes = pieces_of(index), sizes_of(index)
             with self._lock:
                 stored = self._items.get(key)
                 if stored is None:
                     stats.misses += 1
                     results.append(Status.MISSING)
                     continue
-                if sum(piece.size for piece in pieces) != stored.size:
+                if sum(sizes) != stored.size:
                     results.append(Status.SIZE_MISMATCH)
                     continue
                 self._items.move_to_end(key)
                 offset = 0
-                for piece in pieces:
-                    piece[:] = stored[offset : offset + piece.size]
-                    offset += piece.size
+                for piece, size in zip(pieces, sizes):
+                    piece[:] = stored[offset : offset + size]
+                    offset += size
                 stats.hits += 1
                 stats.gets += 1
                 stats.get_bytes += stored.size
@@ -129,41 +130,55 @@ class MemoryBackend:
     def close(self) -> None:
         """The embedded pool lives as long as the process; close keeps its contents."""
 
-    def _reserve(self, key: str, size: int) -> np.ndarray | Status:
+    def _reserve(self, keys: Sequence[str], sizes: list[int]) -> list[np.ndarray | Status]:
+        """A target array per key to copy into, or the key's status when there is nothing to copy."""
         stats = self._stats
         with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return Status.OK
-            if key in self._pending:
-                return Status.OK  # another thread is writing the same content-addressed bytes
-            if size == 0 or size > self.capacity_bytes:
-                stats.put_failures += 1
-                return Status.FULL if size else Status.ERROR
-            while self._used + size > self.capacity_bytes and self._items:
-                _, evicted = self._items.popitem(last=False)
-                self._release(evicted)
-                stats.evictions += 1
-            if self._used + size > self.capacity_bytes:
-                stats.put_failures += 1
-                return Status.FULL  # the rest is held by puts still copying
-            self._used += size
-            self._pending[key] = size
-            reusable = self._free.get(size)
-            if reusable:
-                self._free_bytes -= size
-                return reusable.pop()
-            if self._used + self._free_bytes > self.capacity_bytes:
-                self._free.clear()
-                self._free_bytes = 0
-        return np.empty(size, dtype=np.uint8)
+            targets = [self._reserve_one(key, size, stats) for key, size in zip(keys, sizes)]
+        return [
+            np.empty(size, dtype=np.uint8) if target is None else target for target, size in zip(targets, sizes)
+        ]
 
-    def _publish(self, key: str, array: np.ndarray) -> None:
+    def _reserve_one(self, key: str, size: int, stats: BackendStats) -> np.ndarray | Status | None:
+        """Under the lock. None: `size` bytes are reserved; the caller allocates them outside the lock."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return Status.OK
+        if key in self._pending:
+            return Status.OK  # another put is writing the same content-addressed bytes
+        if size == 0 or size > self.capacity_bytes:
+            stats.put_failures += 1
+            return Status.FULL if size else Status.ERROR
+        while self._used + size > self.capacity_bytes and self._items:
+            _, evicted = self._items.popitem(last=False)
+            self._release(evicted)
+            stats.evictions += 1
+        if self._used + size > self.capacity_bytes:
+            stats.put_failures += 1
+            return Status.FULL  # the rest is held by puts still copying
+        self._used += size
+        self._pending[key] = size
+        reusable = self._free.get(size)
+        if reusable:
+            self._free_bytes -= size
+            return reusable.pop()
+        if self._used + self._free_bytes > self.capacity_bytes:
+            self._free.clear()
+            self._free_bytes = 0
+        return None
+
+    def _publish(self, published: list[tuple[str, np.ndarray]], reserved: list[str]) -> None:
+        """Make the copied values visible; drop the reservations of those never copied (a copy raised)."""
         with self._lock:
-            self._pending.pop(key, None)
-            self._items[key] = array
-            self._stats.puts += 1
-            self._stats.put_bytes += array.size
+            for key, array in published:
+                self._pending.pop(key, None)
+                self._items[key] = array
+                self._stats.puts += 1
+                self._stats.put_bytes += array.size
+            for key in reserved:
+                size = self._pending.pop(key, None)
+                if size is not None:
+                    self._used -= size
 
     def _release(self, array: np.ndarray) -> None:
         self._used -= array.size
@@ -199,8 +214,20 @@ def drop_shared_memory_pools() -> None:
         _shared.clear()
 
 
-def _writable_u8(dest: Value) -> list[np.ndarray]:
-    pieces = [as_u8(piece) for piece in dest]
-    if not all(piece.flags.writeable for piece in pieces):
+_PiecesOf = Callable[[int], list[np.ndarray]]
+_SizesOf = Callable[[int], list[int]]
+
+
+def _pieces(values: Values, writable: bool) -> tuple[_PiecesOf, _SizesOf]:
+    """The byte pieces of value i, and their sizes. Every buffer is checked up front."""
+    if isinstance(values, Rows):
+        if writable and not all(array.flags.writeable for array in values.arrays):
+            raise TypeError("a destination array is read-only")
+        arrays, ids = values.arrays, values.ids.tolist()
+        row_bytes = values.row_bytes
+        return (lambda index: [array[ids[index]] for array in arrays]), (lambda index: row_bytes)
+    prepared = [[as_u8(piece) for piece in value] for value in values]
+    if writable and not all(piece.flags.writeable for pieces in prepared for piece in pieces):
         raise TypeError("a destination piece is read-only")
-    return pieces
+    sizes = [[piece.size for piece in pieces] for pieces in prepared]
+    return prepared.__getitem__, sizes.__getitem__

@@ -7,9 +7,10 @@ For every chunk size and piece count, one batch of `keys_per_batch` chunks is
   placement, one contiguous buffer per key (raw; mooncake only),
 * for values of several pieces, moved the two ways raw Mooncake can move those same pieces:
   `batch_*_multi_buffers`, one transfer per piece, as vLLM's own Mooncake store connector does
-  (raw_multi), and a hand-written gather into a contiguous buffer around `batch_put_from` /
-  `batch_get_into` (raw_gather),
-* copied with `np.copyto` piece by piece into contiguous per-key buffers (memcpy: the same bytes).
+  (raw_multi), and the plain-way gather (as memcpy below) into a contiguous buffer around
+  `batch_put_from` / `batch_get_into` (raw_gather),
+* copied with `np.copyto` piece by piece into and out of contiguous per-key buffers (memcpy: the
+  same bytes, moved the plain way).
 
 Values look like an engine's chunks: `pieces` equal pieces per chunk, each a row of its own "layer"
 array (4 pieces = a chunk spanning 4 layers; 1 = a single contiguous block).
@@ -115,18 +116,20 @@ class _Data:
         return Rows(self.src_layers if path is None else self.dst[path], self.ids)
 
     def gather(self, into: np.ndarray) -> None:
-        """Every piece copied into its place in a contiguous buffer (plain np.copyto)."""
+        """Every piece copied into its place in a contiguous buffer, one np.copyto a piece."""
         piece = self.piece_bytes
-        for p, layer in enumerate(self.src_layers):
-            for k in range(self.keys):
-                np.copyto(into[k, p * piece : (p + 1) * piece], layer[k])
+        for k in range(self.keys):
+            row = into[k]
+            for p, layer in enumerate(self.src_layers):
+                np.copyto(row[p * piece : (p + 1) * piece], layer[k])
 
-    def scatter(self, path: str) -> None:
-        """The contiguous gather buffer copied out into the pieces of `path`'s destinations."""
+    def scatter(self, source: np.ndarray, path: str) -> None:
+        """A contiguous buffer copied out into the pieces of `path`'s destinations, one np.copyto a piece."""
         piece = self.piece_bytes
-        for p, layer in enumerate(self.dst[path]):
-            for k in range(self.keys):
-                np.copyto(layer[k], self.gather_flat[k, p * piece : (p + 1) * piece])
+        for k in range(self.keys):
+            row = source[k]
+            for p, layer in enumerate(self.dst[path]):
+                np.copyto(layer[k], row[p * piece : (p + 1) * piece])
 
     def check(self, paths: Sequence[str]) -> None:
         """Every reading path got back the bytes written; then the destinations are cleared."""
@@ -176,7 +179,7 @@ class _Raw:
 
     def get_gather(self, keys: list[str], data: _Data) -> None:
         self._read(self.store.batch_get_into(keys, data.gather_ptrs, data.sizes), data, "batch_get_into")
-        data.scatter("raw_gather")
+        data.scatter(data.gather_flat, "raw_gather")
 
     def remove(self, keys: list[str]) -> None:
         self.store.batch_remove(keys, True)
@@ -243,7 +246,11 @@ def _calls(backend: Backend, raw: _Raw | None, data: _Data) -> dict[str, _Path]:
             lambda keys: _expect_ok(backend.get_into(keys, data.rows("kvpool_pieces").values()), "get_into"),
             backend.remove,
         ),
-        "memcpy": _Path(lambda keys: data.gather(data.memcpy_flat), lambda keys: _memcpy_get(data), lambda keys: None),
+        "memcpy": _Path(
+            lambda keys: data.gather(data.memcpy_flat),
+            lambda keys: data.scatter(data.src_flat, "memcpy"),
+            lambda keys: None,
+        ),
     }
     if raw is not None:
         calls["raw"] = _Path(lambda keys: raw.put(keys, data), lambda keys: raw.get(keys, data), raw.remove)
@@ -259,14 +266,6 @@ def _calls(backend: Backend, raw: _Raw | None, data: _Data) -> dict[str, _Path]:
                 raw.remove,
             )
     return calls
-
-
-def _memcpy_get(data: _Data) -> None:
-    """What a get moves, by plain copies: contiguous values scattered into the pieces."""
-    piece = data.piece_bytes
-    for p, layer in enumerate(data.dst["memcpy"]):
-        for k in range(data.keys):
-            np.copyto(layer[k], data.src_flat[k, p * piece : (p + 1) * piece])
 
 
 def _measure(backend: Backend, raw: _Raw | None, data: _Data, reps: int) -> dict[str, dict[str, float]]:
@@ -355,8 +354,6 @@ def _rows(
     rows = []
     for chunk_bytes in chunk_sizes:
         for count in pieces:
-            if chunk_bytes % count:
-                raise ValueError(f"chunk size {chunk_bytes} does not split into {count} pieces")
             data = _Data(chunk_bytes, count, keys_per_batch)
             figures = _measure(backend, raw, data, reps)
             for op in ("put", "get"):
@@ -381,6 +378,20 @@ def _rows(
     return rows
 
 
+def check_arguments(
+    backend: str, chunk_sizes: Sequence[int], pieces: Sequence[int], keys_per_batch: int, reps: int
+) -> None:
+    """ValueError naming the bad argument, before anything starts."""
+    if backend not in ("memory", "mooncake"):
+        raise ValueError(f"backend {backend!r}: expected memory or mooncake")
+    if keys_per_batch < 1 or reps < 1:
+        raise ValueError(f"keys_per_batch {keys_per_batch}, reps {reps}: both must be >= 1")
+    for chunk_bytes in chunk_sizes:
+        for count in pieces:
+            if count < 1 or chunk_bytes % count:
+                raise ValueError(f"pieces {count}: a chunk of {chunk_bytes} bytes does not split into {count} pieces")
+
+
 def run(
     backend: str = "memory",
     *,
@@ -391,11 +402,8 @@ def run(
     placements: Sequence[str] = PLACEMENTS,
 ) -> dict[str, Any]:
     """Measure `backend` ("memory" or "mooncake"); returns {"results": [...], "summary": {...}}."""
-    if backend not in ("memory", "mooncake"):
-        raise ValueError(f"backend {backend!r}: expected memory or mooncake")
-    if keys_per_batch < 1 or reps < 1:
-        raise ValueError("keys_per_batch and reps must be >= 1")
-    live = 4 * keys_per_batch * max(chunk_sizes)  # the get keys of kvpool and the three raw paths, stored at once
+    check_arguments(backend, chunk_sizes, pieces, keys_per_batch, reps)
+    live = 5 * keys_per_batch * max(chunk_sizes)  # the get keys of both kvpool and the three raw paths, at once
     if backend == "memory":
         from kvpool.backends.memory import MemoryBackend
 
