@@ -70,7 +70,7 @@ def bench_transfer(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
     pieces: Annotated[str, typer.Option(help="pieces per chunk (layers), comma separated")] = "4,1",
     keys: Annotated[int, typer.Option(help="chunks per batch", min=1)] = 32,
-    reps: Annotated[int, typer.Option(help="timed rounds per cell (the median is reported)", min=1)] = 9,
+    reps: Annotated[int, typer.Option(help="timed rounds per cell (the median is reported)", min=1)] = 15,
 ) -> None:
     """Save/load throughput per chunk size next to raw Mooncake and memcpy."""
     from kvpool.benchmarks import transfer

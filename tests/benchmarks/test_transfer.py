@@ -12,8 +12,18 @@ from kvpool.benchmarks import transfer
 from kvpool.testing.mooncake import mooncake_or_skip
 
 KiB = 1 << 10
-TINY = {"chunk_sizes": (64 * KiB,), "pieces": (4, 1), "keys_per_batch": 4, "reps": 1}
-COMMON = {"backend", "op", "chunk_bytes", "pieces", "keys_per_batch", "kvpool_gbps", "memcpy_gbps"}
+TINY = {"chunk_sizes": (64 * KiB,), "pieces": (4, 1), "keys_per_batch": 4, "reps": 1, "min_sample_s": 0.0}
+COMMON = {
+    "backend",
+    "op",
+    "chunk_bytes",
+    "pieces",
+    "keys_per_batch",
+    "rounds",
+    "kvpool_gbps",
+    "kvpool_pieces_gbps",
+    "memcpy_gbps",
+}
 
 
 def check_shape(result: dict[str, Any], backend: str, placements: tuple[str, ...] = ()) -> None:
@@ -30,7 +40,8 @@ def check_shape(result: dict[str, Any], backend: str, placements: tuple[str, ...
     for row in rows:
         assert row["backend"] == backend
         assert set(row) >= COMMON
-        assert row["kvpool_gbps"] > 0 and row["memcpy_gbps"] > 0
+        assert row["kvpool_gbps"] > 0 and row["kvpool_pieces_gbps"] > 0 and row["memcpy_gbps"] > 0
+        assert row["rounds"] >= result["config"]["reps"]
         if backend == "mooncake":
             assert row["raw_gbps"] > 0
             for path in ("raw_multi_gbps", "raw_gather_gbps"):
@@ -97,7 +108,7 @@ def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.Mo
 
     def fake_run(**kwargs: Any) -> dict[str, Any]:
         seen.update(kwargs)
-        return real_run(chunk_sizes=(64 * KiB,), **{**kwargs, "reps": 1})
+        return real_run(chunk_sizes=(64 * KiB,), **{**kwargs, "reps": 1, "min_sample_s": 0.0})
 
     monkeypatch.setattr(transfer, "run", fake_run)
     outcome = CliRunner().invoke(app, ["bench", "transfer", "--json", "--pieces", "16,2", "--keys", "3", "--reps", "2"])
@@ -112,6 +123,12 @@ def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.Mo
     ]:
         outcome = CliRunner().invoke(app, ["bench", "transfer", *bad])
         assert outcome.exit_code == 2 and hint in outcome.output, outcome.output
+
+
+def test_cheap_cells_run_rounds_until_each_path_has_enough_samples() -> None:
+    result = transfer.run("memory", **{**TINY, "pieces": (1,), "reps": 2, "min_sample_s": 0.02})
+    rounds = [row["rounds"] for row in result["results"]]
+    assert all(2 < count <= transfer.MAX_REPS for count in rounds), rounds
 
 
 def test_bad_arguments() -> None:

@@ -325,6 +325,7 @@ class _Batch:
             route = staged
         else:
             route = multi
+        self.ptrs = [[] for _ in keys]
         if all(keys) and (route is not staged or local is None):
             route.extend(range(count))  # the common case: one route for the whole batch
         else:
@@ -335,7 +336,6 @@ class _Batch:
                     multi.append(index)
                 else:
                     route.append(index)
-        self.ptrs = [[] for _ in keys]
         self._fill_addresses(single if route is single else multi)
 
     def _prepare(self, values: Sequence[Value], writable: bool) -> None:
@@ -361,12 +361,13 @@ class _Batch:
                 self.views[index] = [view.data for view in u8] if index in staged else []
                 self.ptrs[index] = [] if index in staged else [int(view.ctypes.data) for view in u8]
 
-    def addresses(self, indices: list[int]) -> list[list[int]]:
-        """The piece addresses of the values at `indices`: taken up front for the values moved in place,
-        here for staged ones that go in place after all (while another call holds the staging area)."""
+    def addresses(self, indices: list[int], fill: bool = False) -> list[list[int]]:
+        """The piece addresses of the values at `indices`: taken up front for the values moved in place;
+        `fill` takes them for staged ones that go in place after all (another call holds the staging area)."""
+        if fill:
+            self._fill_addresses(indices)
         ptrs = self.ptrs
-        self._fill_addresses([index for index in indices if not ptrs[index]])
-        return [ptrs[index] for index in indices]
+        return ptrs if len(indices) == len(ptrs) else [ptrs[index] for index in indices]
 
     def _fill_addresses(self, indices: list[int]) -> None:
         if not indices:
@@ -375,6 +376,9 @@ class _Batch:
         if self.rows is not None:
             columns = [(_base_address(array), array.strides[0]) for array in self.rows.arrays]
             ids = self.rows.ids.tolist()
+            if len(indices) == len(ptrs):  # the whole batch: one comprehension
+                self.ptrs = [[base + row * stride for base, stride in columns] for row in ids]
+                return
             for index in indices:
                 row = ids[index]
                 ptrs[index] = [base + row * stride for base, stride in columns]
@@ -522,10 +526,10 @@ class _LocalKeys:
         with self._lock:
             self._check_epoch(epoch)
             entries = self._sizes
-            for key, size in zip(keys, sizes):
-                if key not in entries:
-                    entries[key] = size
-                    self._bytes += size
+            fresh = [(key, size) for key, size in zip(keys, sizes) if key not in entries]
+            if fresh:
+                entries.update(fresh)
+                self._bytes += sum(size for _, size in fresh)
             while entries and (self._bytes > self._capacity or len(entries) > self.MAX_ENTRIES):
                 self._bytes -= entries.popitem(last=False)[1]
 
@@ -874,7 +878,7 @@ class MooncakeBackend:
                 whole = len(unique) == len(keys)
                 codes = store.batch_put_from(
                     _pick(keys, unique, whole),
-                    [ptrs[0] for ptrs in batch.addresses(unique)],
+                    [batch.ptrs[i][0] for i in unique],
                     _pick(batch.totals, unique, whole),
                     config,
                 )
@@ -883,7 +887,7 @@ class MooncakeBackend:
                 whole = len(unique) == len(keys)
                 codes = store.batch_put_from_multi_buffers(
                     _pick(keys, unique, whole),
-                    batch.addresses(unique),
+                    batch.addresses(unique, fill=route is _Route.STAGED),
                     _pick(batch.sizes, unique, whole),
                     config,
                 )
@@ -919,14 +923,16 @@ class MooncakeBackend:
                 whole = len(indices) == len(keys)
                 codes = store.batch_get_into(
                     _pick(keys, indices, whole),
-                    [ptrs[0] for ptrs in batch.addresses(indices)],
+                    [batch.ptrs[i][0] for i in indices],
                     _pick(batch.totals, indices, whole),
                 )
                 failure = self._record_reads(codes, batch, indices, results)
             else:
                 whole = len(indices) == len(keys)
                 codes = store.batch_get_into_multi_buffers(
-                    _pick(keys, indices, whole), batch.addresses(indices), _pick(batch.sizes, indices, whole)
+                    _pick(keys, indices, whole),
+                    batch.addresses(indices, fill=route is _Route.STAGED),
+                    _pick(batch.sizes, indices, whole),
                 )
                 failure = self._record_reads(codes, batch, indices, results)
                 if MooncakeErrorCode.TRANSFER_FAIL in codes:
@@ -961,8 +967,7 @@ class MooncakeBackend:
     @staticmethod
     def _record(codes: list[int], indices: list[int], results: list[Status], reading: bool) -> str | None:
         if not any(codes):  # every put stored (0 = OK): the common case, without a call per key
-            for index in indices:
-                results[index] = Status.OK
+            _all_ok(indices, results)
             return None
         for index, code in zip(indices, codes):
             results[index] = status_of(code, reading=reading)
@@ -972,8 +977,7 @@ class MooncakeBackend:
     def _record_reads(codes: list[int], batch: _Batch, indices: list[int], results: list[Status]) -> str | None:
         totals = batch.totals
         if len(indices) == len(totals) and codes == totals:  # every read whole: the common case
-            for index in indices:
-                results[index] = Status.OK
+            _all_ok(indices, results)
             return None
         for index, code in zip(indices, codes):
             if code >= 0:
@@ -1012,6 +1016,14 @@ class MooncakeBackend:
             self._stats.hits += hits
             self._stats.get_bytes += hit_bytes
             self._stats.misses += len(results) - hits - mismatches
+
+
+def _all_ok(indices: list[int], results: list[Status]) -> None:
+    if len(indices) == len(results):  # the whole batch: indices are 0..n-1
+        results[:] = [Status.OK] * len(results)
+    else:
+        for index in indices:
+            results[index] = Status.OK
 
 
 def _identity(failure: str | None) -> str | None:

@@ -26,7 +26,8 @@ size, so its timed puts land in recycled (already faulted-in) memory, as in a wa
 Gets read the same stored keys every round. Paths go in a shuffled order each round, and before each
 timed call a 16 MiB sweep leaves the caches as cold as an engine's forward pass leaves them between
 two connector calls (so no path inherits a warmer cache from the path before it).
-Figures are medians over `reps` rounds; bytes are counted once per batch (GB/s = 1e9 bytes/s).
+Figures are medians over at least `reps` rounds, more for cheap cells (until every path has 0.2 s of
+samples, at most 200 rounds); bytes are counted once per batch (GB/s = 1e9 bytes/s).
 
 Mooncake placements: `local` = the bench's client owns the only segment (puts prefer it: Mooncake's
 memcpy path); `remote` = a child process owns the segment and the bench's client has none, so every
@@ -57,7 +58,9 @@ MiB = 1 << 20
 CHUNK_SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 PIECES = (4, 1)
 KEYS_PER_BATCH = 32
-REPS = 9
+REPS = 15  # at least; cheap cells run more rounds, up to MIN_SAMPLE_S of samples per path
+MIN_SAMPLE_S = 0.2
+MAX_REPS = 200
 PLACEMENTS = ("local", "remote")
 MEMORY_TARGET = 0.60  # embedded pool: kvpool >= 60% of memcpy
 MOONCAKE_TARGET = 0.80  # distributed pool: kvpool >= 80% of raw Mooncake
@@ -268,8 +271,19 @@ def _calls(backend: Backend, raw: _Raw | None, data: _Data) -> dict[str, _Path]:
     return calls
 
 
-def _measure(backend: Backend, raw: _Raw | None, data: _Data, reps: int) -> dict[str, dict[str, float]]:
-    """GB/s per op ("put", "get") and per path (see _calls)."""
+def _rounds(reps: int, min_sample_s: float, samples: dict[str, list[float]]) -> Iterator[int]:
+    """Round numbers, 0 being the warm-up: at least `reps` timed rounds, more while some path has
+    under `min_sample_s` of samples (cheap cells get many rounds; the median settles), at most MAX_REPS."""
+    rep = 0
+    while rep <= reps or (rep <= MAX_REPS and min(sum(times) for times in samples.values()) < min_sample_s):
+        yield rep
+        rep += 1
+
+
+def _measure(
+    backend: Backend, raw: _Raw | None, data: _Data, reps: int, min_sample_s: float
+) -> dict[str, dict[str, float]]:
+    """GB/s per op ("put", "get") and per path (see _calls), and the timed rounds per op ("rounds")."""
     prefix = f"bench/{uuid.uuid4().hex[:8]}/{data.chunk_bytes}x{data.pieces}"
 
     def fresh(path: str, rep: int) -> list[str]:
@@ -280,7 +294,7 @@ def _measure(backend: Backend, raw: _Raw | None, data: _Data, reps: int) -> dict
     rounds = _Rounds(paths, seed=data.chunk_bytes + data.pieces)
     times: dict[str, dict[str, list[float]]] = {op: {path: [] for path in paths} for op in ("put", "get")}
     # puts: round 0 is the warm-up (not recorded); fresh keys every round, removed afterwards
-    for rep in range(reps + 1):
+    for rep in _rounds(reps, min_sample_s, times["put"]):
         for path in rounds.order():
             keys = fresh(path, rep)
             took = rounds.timed(calls[path].put, keys)
@@ -292,7 +306,7 @@ def _measure(backend: Backend, raw: _Raw | None, data: _Data, reps: int) -> dict
     for path in paths:
         calls[path].put(stored[path])
     try:
-        for rep in range(reps + 1):
+        for rep in _rounds(reps, min_sample_s, times["get"]):
             for path in rounds.order():
                 took = rounds.timed(calls[path].get, stored[path])
                 if rep:
@@ -302,10 +316,12 @@ def _measure(backend: Backend, raw: _Raw | None, data: _Data, reps: int) -> dict
     finally:
         for path in paths:
             calls[path].remove(stored[path])
-    return {
+    figures = {
         op: {path: _gbps(data.batch_bytes, samples) for path, samples in paths_.items() if samples}
         for op, paths_ in times.items()
     }
+    figures["rounds"] = {op: float(len(times[op]["kvpool"])) for op in times}
+    return figures
 
 
 @contextmanager
@@ -341,21 +357,24 @@ def _segment_holder(master_address: str, segment_bytes: int) -> Iterator[None]:
             process.wait(10)
 
 
+@dataclass(frozen=True)
+class _Plan:
+    chunk_sizes: Sequence[int]
+    pieces: Sequence[int]
+    keys_per_batch: int
+    reps: int
+    min_sample_s: float
+
+
 def _rows(
-    backend_name: str,
-    placement: str | None,
-    backend: Backend,
-    raw: _Raw | None,
-    chunk_sizes: Sequence[int],
-    pieces: Sequence[int],
-    keys_per_batch: int,
-    reps: int,
+    backend_name: str, placement: str | None, backend: Backend, raw: _Raw | None, plan: _Plan
 ) -> list[dict[str, Any]]:
     rows = []
-    for chunk_bytes in chunk_sizes:
-        for count in pieces:
+    keys_per_batch = plan.keys_per_batch
+    for chunk_bytes in plan.chunk_sizes:
+        for count in plan.pieces:
             data = _Data(chunk_bytes, count, keys_per_batch)
-            figures = _measure(backend, raw, data, reps)
+            figures = _measure(backend, raw, data, plan.reps, plan.min_sample_s)
             for op in ("put", "get"):
                 row: dict[str, Any] = {
                     "backend": backend_name,
@@ -363,6 +382,7 @@ def _rows(
                     "chunk_bytes": chunk_bytes,
                     "pieces": count,
                     "keys_per_batch": keys_per_batch,
+                    "rounds": int(figures["rounds"][op]),
                     "kvpool_gbps": figures[op]["kvpool"],
                     "kvpool_pieces_gbps": figures[op]["kvpool_pieces"],
                 }
@@ -399,24 +419,28 @@ def run(
     pieces: Sequence[int] = PIECES,
     keys_per_batch: int = KEYS_PER_BATCH,
     reps: int = REPS,
+    min_sample_s: float = MIN_SAMPLE_S,
     placements: Sequence[str] = PLACEMENTS,
 ) -> dict[str, Any]:
     """Measure `backend` ("memory" or "mooncake"); returns {"results": [...], "summary": {...}}."""
     check_arguments(backend, chunk_sizes, pieces, keys_per_batch, reps)
+    plan = _Plan(chunk_sizes, pieces, keys_per_batch, reps, min_sample_s)
     live = 5 * keys_per_batch * max(chunk_sizes)  # the get keys of both kvpool and the three raw paths, at once
     if backend == "memory":
         from kvpool.backends.memory import MemoryBackend
 
         pool = MemoryBackend(capacity_bytes=_SEGMENT_SLACK * live)
-        rows = _rows("memory", None, pool, None, chunk_sizes, pieces, keys_per_batch, reps)
+        rows = _rows("memory", None, pool, None, plan)
         pool.close()
     else:
-        rows = _run_mooncake(chunk_sizes, pieces, keys_per_batch, reps, placements, _SEGMENT_SLACK * live)
+        rows = _run_mooncake(plan, placements, _SEGMENT_SLACK * live)
     config = {
         "chunk_sizes": list(chunk_sizes),
         "pieces": list(pieces),
         "keys_per_batch": keys_per_batch,
         "reps": reps,
+        "min_sample_s": min_sample_s,
+        "max_reps": MAX_REPS,
         "statistic": "median",
     }
     if backend == "mooncake":
@@ -424,14 +448,7 @@ def run(
     return {"backend": backend, "config": config, "results": rows, "summary": _summary(backend, rows)}
 
 
-def _run_mooncake(
-    chunk_sizes: Sequence[int],
-    pieces: Sequence[int],
-    keys_per_batch: int,
-    reps: int,
-    placements: Sequence[str],
-    segment_bytes: int,
-) -> list[dict[str, Any]]:
+def _run_mooncake(plan: _Plan, placements: Sequence[str], segment_bytes: int) -> list[dict[str, Any]]:
     from kvpool.backends.mooncake import MooncakeBackend
     from kvpool.mooncake_master import start_master
 
@@ -453,9 +470,7 @@ def _run_mooncake(
                     options["global_segment_size"] = 0
                 client = MooncakeBackend.from_options(options)
                 try:
-                    rows += _rows(
-                        "mooncake", placement, client, _Raw(client), chunk_sizes, pieces, keys_per_batch, reps
-                    )
+                    rows += _rows("mooncake", placement, client, _Raw(client), plan)
                 finally:
                     client.close()
     return rows
@@ -517,7 +532,7 @@ def print_table(result: dict[str, Any]) -> None:
     config = result["config"]
     summary = result["summary"]
     title = (
-        f"transfer: {backend}, {config['keys_per_batch']} chunks a batch, median of {config['reps']} rounds "
+        f"transfer: {backend}, {config['keys_per_batch']} chunks a batch, median of {config['reps']}+ rounds "
         f"(GB/s = 1e9 B/s)"
     )
     table = Table(title=title)
