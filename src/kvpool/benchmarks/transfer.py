@@ -82,7 +82,8 @@ backend.close()
 
 @dataclass
 class _Data:
-    """One batch of `keys` chunks of `pieces` equal pieces, each a row of its own "layer" array, plus
+    """One batch of `keys` chunks of `pieces` equal pieces: the chunks are blocks of a paged cache, rows
+    `ids` (sorted, with gaps, as a block table has them) of "layer" arrays twice the batch's size, plus
     contiguous copies for the raw calls. Every path that reads has destinations of its own, so the
     check after the warm-up round sees each path's bytes, not another's."""
 
@@ -93,10 +94,11 @@ class _Data:
     def __post_init__(self) -> None:
         piece = self.piece_bytes = self.chunk_bytes // self.pieces
         rng = np.random.default_rng(self.chunk_bytes * 10 + self.pieces)
-        self.src_layers = tuple(rng.integers(0, 256, (self.keys, piece), dtype=np.uint8) for _ in range(self.pieces))
-        self.ids = np.arange(self.keys)
+        blocks = 2 * self.keys
+        self.src_layers = tuple(rng.integers(0, 256, (blocks, piece), dtype=np.uint8) for _ in range(self.pieces))
+        self.ids = np.sort(rng.choice(blocks, self.keys, replace=False))
         self.values = Rows(self.src_layers, self.ids).values()  # the same chunks as lists of pieces
-        self.src_flat = np.concatenate(self.src_layers, axis=1)  # key k = its pieces back to back
+        self.src_flat = np.concatenate([layer[self.ids] for layer in self.src_layers], axis=1)  # pieces back to back
         self.dst_flat = np.zeros_like(self.src_flat)  # raw
         self.gather_flat = np.zeros_like(self.src_flat)  # raw_gather
         self.memcpy_flat = np.zeros_like(self.src_flat)
@@ -121,25 +123,25 @@ class _Data:
     def gather(self, into: np.ndarray) -> None:
         """Every piece copied into its place in a contiguous buffer, one np.copyto a piece."""
         piece = self.piece_bytes
-        for k in range(self.keys):
+        for k, block in enumerate(self.ids.tolist()):
             row = into[k]
             for p, layer in enumerate(self.src_layers):
-                np.copyto(row[p * piece : (p + 1) * piece], layer[k])
+                np.copyto(row[p * piece : (p + 1) * piece], layer[block])
 
     def scatter(self, source: np.ndarray, path: str) -> None:
         """A contiguous buffer copied out into the pieces of `path`'s destinations, one np.copyto a piece."""
         piece = self.piece_bytes
-        for k in range(self.keys):
+        for k, block in enumerate(self.ids.tolist()):
             row = source[k]
             for p, layer in enumerate(self.dst[path]):
-                np.copyto(layer[k], row[p * piece : (p + 1) * piece])
+                np.copyto(layer[block], row[p * piece : (p + 1) * piece])
 
     def check(self, paths: Sequence[str]) -> None:
         """Every reading path got back the bytes written; then the destinations are cleared."""
         for path in paths:
             if path in self.dst:
-                got: Sequence[np.ndarray] = self.dst[path]
-                want: Sequence[np.ndarray] = self.src_layers
+                got: Sequence[np.ndarray] = [layer[self.ids] for layer in self.dst[path]]
+                want: Sequence[np.ndarray] = [layer[self.ids] for layer in self.src_layers]
             elif path == "raw":
                 got, want = (self.dst_flat,), (self.src_flat,)
             else:
