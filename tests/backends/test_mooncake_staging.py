@@ -168,3 +168,25 @@ def test_staged_values_go_in_place_while_the_staging_area_is_busy(
         assert client.get_into(keys, dests) == [Status.OK] * 3
     assert set(counting.calls) == {"batch_put_from_multi_buffers", "batch_get_into_multi_buffers"}
     assert all(np.array_equal(source[ids], target[ids]) for source, target in zip(layers, into))
+
+
+def test_values_in_the_own_segment_are_read_in_place_not_staged(mooncake_client: MooncakeBackend) -> None:
+    """A client's own puts land in its own segment (Mooncake's memcpy path): reading them back through the
+    staging area would add a copy, so small-piece values it stored are read piece by piece in place."""
+    client = mooncake_client
+    client.clear()
+    rng = np.random.default_rng(13)
+    layers = tuple(rng.integers(0, 256, (8, 16 * KiB), dtype=np.uint8) for _ in range(4))
+    keys = [f"own/{i}" for i in range(4)]
+    ids = np.array([1, 6, 2, 5])
+    assert client.put(keys, Rows(layers, ids)) == [Status.OK] * 4
+    counting = _CountingStore(client._store)
+    client._store = counting
+    try:
+        into = tuple(np.zeros_like(layer) for layer in layers)
+        assert client.get_into(keys, Rows(into, ids)) == [Status.OK] * 4
+    finally:
+        client._store = counting._store
+        client.clear()
+    assert counting.calls == {"batch_get_into_multi_buffers": [4]}
+    assert all(np.array_equal(source[ids], target[ids]) for source, target in zip(layers, into))

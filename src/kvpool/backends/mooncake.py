@@ -286,7 +286,7 @@ class _Batch:
                 self.invalid.append(index)
             elif len(sizes) == 1:
                 single.append(index)
-            elif total <= staging_bytes and min(sizes) < SMALL_PIECE_BYTES and not (local and local(key)):
+            elif total <= staging_bytes and _stageable(sizes) and not (local and local(key)):
                 staged.append(index)
             else:
                 multi.append(index)
@@ -324,7 +324,7 @@ class _Batch:
         single, staged, multi = self.routes.values()
         if len(sizes) == 1:
             route = single
-        elif total <= staging_bytes and min(sizes) < SMALL_PIECE_BYTES:
+        elif total <= staging_bytes and _stageable(sizes):
             route = staged
         else:
             route = multi
@@ -1004,7 +1004,8 @@ class MooncakeBackend:
             stored = len(indices)
             stored_keys = [keys[i] for i in indices]
             stored_bytes = [batch.totals[i] for i in indices]
-        if self._puts_local and stored:
+        # locality only steers reads of values that could be staged: skip a Rows batch of other shapes
+        if self._puts_local and stored and (batch.rows is None or _stageable(batch.sizes[0])):
             self._local_keys.add(stored_keys, stored_bytes, self._gate.epoch)
         with self._stats_lock:
             self._stats.puts += stored
@@ -1024,6 +1025,11 @@ class MooncakeBackend:
             self._stats.hits += hits
             self._stats.get_bytes += hit_bytes
             self._stats.misses += len(results) - hits - mismatches
+
+
+def _stageable(sizes: list[int]) -> bool:
+    """Whether a value of pieces of these sizes may take the staged route (size limits aside)."""
+    return len(sizes) > 1 and min(sizes) < SMALL_PIECE_BYTES
 
 
 def _all_ok(indices: list[int], results: list[Status]) -> None:
