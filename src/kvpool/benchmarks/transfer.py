@@ -12,8 +12,9 @@ For every chunk size and piece count, one batch of `keys_per_batch` chunks is
 * copied with `np.copyto` piece by piece into and out of contiguous per-key buffers (memcpy: the
   same bytes, moved the plain way).
 
-Values look like an engine's chunks: `pieces` equal pieces per chunk, each a row of its own "layer"
-array (4 pieces = a chunk spanning 4 layers; 1 = a single contiguous block).
+Values look like an engine's chunks: `pieces` equal pieces per chunk, each a row (a block) of its own
+"layer" array (4 pieces = a chunk spanning 4 layers; 1 = a single contiguous block); the batch's
+blocks are scattered, sorted with gaps, over layer arrays twice the batch's size, as a block table has them.
 
 Targets, per row: the embedded pool >= 60% of memcpy; the mooncake backend >= 80% of raw Mooncake
 moving the same pieces: the contiguous raw call for one-piece values, the better of raw_multi and
