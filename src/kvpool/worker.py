@@ -369,12 +369,12 @@ class WorkerEngine:
         layout = self.layout
         if layout is None:
             raise LayoutError("save before register_layout: the engine's KV memory is unknown")
-        results = [Status.ERROR] * len(items)
-        for group, positions in _by_group(items).items():
-            rows = layout.save_rows(group, [items[p].block_id for p in positions])
-            statuses = self.backend.put([items[p].key for p in positions], rows)
-            for position, status in zip(positions, statuses):
-                results[position] = status
+        results = _per_group(
+            items,
+            lambda group, part: self.backend.put(
+                [item.key for item in part], layout.save_rows(group, [item.block_id for item in part])
+            ),
+        )
         ok = results.count(Status.OK)
         self.stats.chunks_put += ok
         self.stats.bytes_put += sum(
@@ -516,15 +516,15 @@ class WorkerEngine:
 
     def _get_part(self, layout: KVLayout, part: list[_Item]) -> list[Status]:
         """Read one batch into its blocks, one backend call per KV cache group."""
-        results = [Status.ERROR] * len(part)
-        for group, positions in _by_group(part).items():
-            block_ids = [part[p].block_id for p in positions]
+
+        def read(group: int, items: list[_Item]) -> list[Status]:
+            block_ids = [item.block_id for item in items]
             rows = layout.load_rows(group, block_ids)
-            statuses = self.backend.get_into([part[p].key for p in positions], rows)
+            statuses = self.backend.get_into([item.key for item in items], rows)
             layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
-            for position, status in zip(positions, statuses):
-                results[position] = status
-        return results
+            return statuses
+
+        return _per_group(part, read)
 
     # ---- results for the engine ---------------------------------------------------------------
 
@@ -580,12 +580,16 @@ def _tail(mask: Any, start_tokens: int, block_size: int) -> Any:
     return mask[-(-start_tokens // block_size) :]
 
 
-def _by_group(items: Sequence[_Item]) -> dict[int, list[int]]:
-    """Positions of the items of each KV cache group, in order (one group: every position)."""
+def _per_group(items: list[_Item], call: Callable[[int, list[_Item]], list[Status]]) -> list[Status]:
+    """`call` once per KV cache group with that group's items, in order; the statuses in item order."""
     first = items[0].group if items else 0
     if all(item.group == first for item in items):
-        return {first: list(range(len(items)))}
-    groups: dict[int, list[int]] = {}
+        return call(first, items)  # one group: the common case
+    positions: dict[int, list[int]] = {}
     for position, item in enumerate(items):
-        groups.setdefault(item.group, []).append(position)
-    return groups
+        positions.setdefault(item.group, []).append(position)
+    results = [Status.ERROR] * len(items)
+    for group, members in positions.items():
+        for position, status in zip(members, call(group, [items[p] for p in members])):
+            results[position] = status
+    return results

@@ -364,13 +364,22 @@ class _Batch:
                 self.views[index] = [view.data for view in u8] if index in staged else []
                 self.ptrs[index] = [] if index in staged else [int(view.ctypes.data) for view in u8]
 
-    def addresses(self, indices: list[int], fill: bool = False) -> list[list[int]]:
-        """The piece addresses of the values at `indices`: taken up front for the values moved in place;
-        `fill` takes them for staged ones that go in place after all (another call holds the staging area)."""
-        if fill:
+    def single_args(self, keys: Sequence[str], indices: list[int]) -> tuple[list[str], list[int], list[int]]:
+        """Keys, addresses and sizes of one-piece values, as batch_put_from / batch_get_into take them."""
+        whole = len(indices) == len(keys)
+        return _pick(keys, indices, whole), [self.ptrs[i][0] for i in indices], _pick(self.totals, indices, whole)
+
+    def multi_args(
+        self, keys: Sequence[str], indices: list[int], route: _Route
+    ) -> tuple[list[str], list[list[int]], list[list[int]]]:
+        """Keys, piece addresses and piece sizes, as the multi-buffer calls take them. Staged values that go
+        in place after all (another call holds the staging area) get their addresses taken here."""
+        if route is _Route.STAGED:
             self._fill_addresses(indices)
+        whole = len(indices) == len(keys)
         ptrs = self.ptrs
-        return ptrs if len(indices) == len(ptrs) else [ptrs[index] for index in indices]
+        addresses = ptrs if len(indices) == len(ptrs) else [ptrs[index] for index in indices]
+        return _pick(keys, indices, whole), addresses, _pick(self.sizes, indices, whole)
 
     def _fill_addresses(self, indices: list[int]) -> None:
         if not indices:
@@ -883,22 +892,10 @@ class MooncakeBackend:
                 finally:
                     self._put_staging.lock.release()
             elif route is _Route.SINGLE:
-                whole = len(unique) == len(keys)
-                codes = store.batch_put_from(
-                    _pick(keys, unique, whole),
-                    [batch.ptrs[i][0] for i in unique],
-                    _pick(batch.totals, unique, whole),
-                    config,
-                )
+                codes = store.batch_put_from(*batch.single_args(keys, unique), config)
                 failure = self._record(codes, unique, results, reading=False)
             else:  # multi, or staged while another thread holds the staging buffer
-                whole = len(unique) == len(keys)
-                codes = store.batch_put_from_multi_buffers(
-                    _pick(keys, unique, whole),
-                    batch.addresses(unique, fill=route is _Route.STAGED),
-                    _pick(batch.sizes, unique, whole),
-                    config,
-                )
+                codes = store.batch_put_from_multi_buffers(*batch.multi_args(keys, unique, route), config)
                 failure = self._record(codes, unique, results, reading=False)
         for index, first in duplicates.items():
             results[index] = results[first]
@@ -928,20 +925,10 @@ class MooncakeBackend:
                 finally:
                     self._get_staging.lock.release()
             elif route is _Route.SINGLE:
-                whole = len(indices) == len(keys)
-                codes = store.batch_get_into(
-                    _pick(keys, indices, whole),
-                    [batch.ptrs[i][0] for i in indices],
-                    _pick(batch.totals, indices, whole),
-                )
+                codes = store.batch_get_into(*batch.single_args(keys, indices))
                 failure = self._record_reads(codes, batch, indices, results)
-            else:
-                whole = len(indices) == len(keys)
-                codes = store.batch_get_into_multi_buffers(
-                    _pick(keys, indices, whole),
-                    batch.addresses(indices, fill=route is _Route.STAGED),
-                    _pick(batch.sizes, indices, whole),
-                )
+            else:  # multi, or staged while another thread holds the staging buffer
+                codes = store.batch_get_into_multi_buffers(*batch.multi_args(keys, indices, route))
                 failure = self._record_reads(codes, batch, indices, results)
                 if MooncakeErrorCode.TRANSFER_FAIL in codes:
                     self._explain_transfer_failures(keys, batch, indices, codes, results)

@@ -49,6 +49,13 @@ _COMMON: dict[str, Any] = {
     "eos_token_id": 1,
     "pad_token_id": 2,
 }
+_GEMMA: dict[str, Any] = {  # hybrid: sliding-window and full-attention layers
+    **_COMMON,
+    "sliding_window": 64,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+    "query_pre_attn_scalar": 64,
+}
 
 
 def default_model_dir() -> Path:
@@ -64,22 +71,9 @@ def model_config(kind: str) -> tuple[str, dict[str, Any]]:
     if kind == "llama":
         return "LlamaConfig", {**_COMMON, "initializer_range": 0.1, "tie_word_embeddings": False}
     if kind == "gemma2":
-        return "Gemma2Config", {
-            **_COMMON,
-            "sliding_window": 64,
-            "tie_word_embeddings": True,
-            "initializer_range": 0.02,
-            "query_pre_attn_scalar": 64,
-        }
+        return "Gemma2Config", {**_GEMMA}
     if kind == "gemma3":
-        return "Gemma3TextConfig", {
-            **_COMMON,
-            "sliding_window": 64,
-            "sliding_window_pattern": 2,
-            "tie_word_embeddings": True,
-            "initializer_range": 0.02,
-            "query_pre_attn_scalar": 64,
-        }
+        return "Gemma3TextConfig", {**_GEMMA, "sliding_window_pattern": 2}
     if kind == "llama-demo":
         # larger, so prefill costs enough time for the demo's TTFT to show what a pool hit saves
         return "LlamaConfig", {
