@@ -26,6 +26,7 @@ def test_every_fingerprint_field_changes_the_prefix() -> None:
         "group_id": 1,
         "attention": "sliding_window:64",
         "hash_algo": "sha256",
+        "weights": "0123abcd",
         "tenant": "acme",
     }
     assert set(changes) == {f.name for f in dataclasses.fields(LayoutFingerprint)}

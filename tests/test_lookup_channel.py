@@ -43,15 +43,52 @@ def test_server_answers_miss_when_the_pool_raises():
         client.close()
 
 
-def test_clear_command_reaches_the_pool():
+def test_reset_command_reaches_the_worker_with_its_epoch():
     address = channel_address(f"test-{uuid.uuid4().hex}")
-    cleared = []
-    server = LookupServer(address, lambda keys: [True] * len(keys), lambda: cleared.append(1) or 7)
+    resets = []
+    server = LookupServer(address, lambda keys: [True] * len(keys), lambda epoch: resets.append(epoch) or 7)
     client = LookupClient(address, timeout_s=2.0)
     try:
-        assert client.clear() == 7
-        assert cleared == [1]
+        assert client.reset(3) == 7
+        assert resets == [3]
         assert client.exists(["a"]) == [True]
     finally:
         server.close()
         client.close()
+
+
+def test_one_client_is_safe_from_two_threads():
+    """The scheduler thread (reset) and the lookup thread share the client; every answer must belong to
+    its own question."""
+    import threading
+
+    address = channel_address(f"test-{uuid.uuid4().hex}")
+    server = LookupServer(address, lambda keys: [key.endswith("1") for key in keys], lambda epoch: epoch)
+    client = LookupClient(address, timeout_s=5.0)
+    errors: list[BaseException] = []
+
+    def lookups() -> None:
+        try:
+            for i in range(300):
+                keys = [f"{i}/1", f"{i}/2"] * (1 + i % 3)
+                assert client.exists(keys) == [True, False] * (1 + i % 3)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def resets() -> None:
+        try:
+            for epoch in range(300):
+                assert client.reset(epoch) == epoch
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=lookups), threading.Thread(target=resets)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        server.close()
+        client.close()
+    assert errors == []

@@ -358,19 +358,49 @@ def test_first_delta_carries_the_hit_and_the_load() -> None:
     assert later is None  # the load is sent once
 
 
-def test_finish_delays_only_after_a_save() -> None:
+def test_a_failed_load_is_saved_again_once_recomputed() -> None:
+    """The first delta says the pool holds the lookup hit; if that load fails, the chunks are not in the
+    pool after all, so the request's saves must cover them again (the worker skips what did arrive)."""
+    pool = Pool()
+    sched = full_scheduler(pool)
+    hashes = hashes_for("p", 8)
+    pool.store(sched.namespaces[0], hashes, range(6))
+    assert sched.lookup("r", hashes, 129) == 96
+    sched.on_allocated("r", 129, 0, 96)
+    table = [list(range(1, 10))]
+    first = sched.request_delta(
+        "r", num_prompt_tokens=129, block_hashes=hashes, block_table=table, computed_before=0, new_tokens=0
+    )
+    assert first is not None and first.stored_tokens == 96 and first.load is not None
+    sched.mark_load_failed("r")
+    assert sched.lookup("r", hashes, 129) == 0  # never offered the failed hit again
+    # vLLM recomputes: the step that computes up to 128 saves from the start, not from the failed hit
+    delta = sched.request_delta(
+        "r", num_prompt_tokens=129, block_hashes=hashes, block_table=table, computed_before=0, new_tokens=128
+    )
+    assert delta is not None and delta.save_tokens == 128
+
+
+def test_reset_drops_cached_lookups_and_advances_the_epoch() -> None:
+    pool = Pool()
+    sched = full_scheduler(pool)
+    hashes = hashes_for("p", 4)
+    pool.store(sched.namespaces[0], hashes, range(4))
+    assert sched.lookup("r", hashes, 65) == 64
+    pool.backend.clear()
+    sched.reset()
+    assert sched.reset_epoch == 1
+    assert sched.lookup("r", hashes, 65) == 0  # not the cached answer from before the reset
+
+
+def test_finish_forgets_the_request() -> None:
     sched = full_scheduler(Pool())
     hashes = hashes_for("p", 4)
     sched.request_delta(
-        "short", num_prompt_tokens=10, block_hashes=[], block_table=[[1]], computed_before=0, new_tokens=10
-    )
-    sched.request_delta(
         "long", num_prompt_tokens=64, block_hashes=hashes, block_table=[[2, 3, 4, 5]], computed_before=0, new_tokens=64
     )
-    assert sched.finish("short") is False
-    assert sched.finish("long") is True
-    assert sched.finish("unknown") is False
-    assert sched.finish("long") is False  # once
+    sched.finish("long")
+    sched.finish("unknown")
     assert sched.active_requests() == 0
 
 

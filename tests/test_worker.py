@@ -1,217 +1,34 @@
-"""WorkerEngine: incremental saves, pressure gate, retries, fences, lifecycle, loads."""
+"""WorkerEngine saves: incremental == one-shot, blocks read only inside the step, pressure, retries,
+lifecycle, resets."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.backends.base import BackendStats, Status, Value
+from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
 from kvpool.errors import LayoutError
-from kvpool.keys import KeySpace, LayoutFingerprint, chunk_hashes
 from kvpool.layout import KVLayout
-from kvpool.masks import (
-    AttentionKind,
-    ChunkedLocal,
-    FullAttention,
-    MaskCoordinator,
-    SlidingWindow,
-    StateSpace,
-)
-from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
+from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow, StateSpace
+from kvpool.metadata import RequestDelta, StepMetadata
 from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
-
-LAYERS = 2
-BLOCK_BYTES = 8  # per layer: chunk values are LAYERS * BLOCK_BYTES bytes
-POISON = 0xEE
-
-# ---- fakes ----------------------------------------------------------------------------------------
-
-
-class RecordingBackend:
-    """A MemoryBackend that records every key passed to exists and put, with scripted faults."""
-
-    name = "recording"
-
-    def __init__(self, inner: MemoryBackend | None = None) -> None:
-        self.inner = inner or MemoryBackend(64 << 20)
-        self._lock = threading.Lock()
-        self.exists_keys: list[str] = []
-        self.put_keys: list[str] = []
-        self.put_statuses: list[Status | None] = []  # next put calls answer this for every key
-        self.gate: threading.Event | None = None  # puts wait for it (while not None)
-        self.put_entered = threading.Event()
-        self.put_delay_s = 0.0
-        self.get_calls = 0
-        self.get_raises_on: set[int] = set()  # 1-based get_into call numbers that raise
-        self.is_healthy = True
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        with self._lock:
-            self.exists_keys.extend(keys)
-        return self.inner.exists(keys)
-
-    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
-        with self._lock:
-            self.put_keys.extend(keys)
-            scripted = self.put_statuses.pop(0) if self.put_statuses else None
-        self.put_entered.set()
-        gate = self.gate
-        if gate is not None:
-            assert gate.wait(10), "test gate never opened"
-        if self.put_delay_s:
-            time.sleep(self.put_delay_s)
-        if scripted is not None:
-            return [scripted] * len(keys)
-        return self.inner.put(keys, values)
-
-    def get_into(self, keys: Sequence[str], dests: Sequence[Value]) -> list[Status]:
-        with self._lock:
-            self.get_calls += 1
-            call = self.get_calls
-        if call in self.get_raises_on:
-            raise ConnectionError("scripted get failure")
-        return self.inner.get_into(keys, dests)
-
-    def remove(self, keys: Sequence[str]) -> int:
-        return self.inner.remove(keys)
-
-    def clear(self) -> int:
-        return self.inner.clear()
-
-    def stats(self) -> BackendStats:
-        return self.inner.stats()
-
-    def healthy(self) -> bool:
-        return self.is_healthy
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def stored(self, key: str, size: int) -> bytes | None:
-        dest = np.zeros(size, dtype=np.uint8)
-        status = self.inner.get_into([key], [[dest]])
-        return dest.tobytes() if status[0] is Status.OK else None
-
-
-def block_content(tag: str, layer: int) -> np.ndarray:
-    return np.frombuffer(hashlib.blake2b(f"{tag}/{layer}".encode(), digest_size=BLOCK_BYTES).digest(), np.uint8)
-
-
-class FakeModel:
-    """Engine-side state for a model: KV tensors (numpy), per-group key spaces, a block allocator."""
-
-    def __init__(self, kinds: Sequence[AttentionKind], retention: int | None = None, num_blocks: int = 512) -> None:
-        self.coord = MaskCoordinator(kinds, retention_interval=retention)
-        self.h = self.coord.hash_block_size
-        self.tensors = {
-            f"g{g}.l{layer}": np.zeros((num_blocks, BLOCK_BYTES), dtype=np.uint8)
-            for g in range(len(kinds))
-            for layer in range(LAYERS)
-        }
-        groups = {name: int(name[1 : name.index(".")]) for name in self.tensors}
-        self.layout = KVLayout(self.tensors, groups, num_blocks)
-        self.spaces = [
-            KeySpace(LayoutFingerprint("test/model", "uint8", kind.block_size, "numpy", group_id=g))
-            for g, kind in enumerate(kinds)
-        ]
-        self.num_blocks = num_blocks
-        self.next_block = 1
-
-    @property
-    def kinds(self) -> list[AttentionKind]:
-        return self.coord.kinds
-
-    def hashes(self, prefix: str, tokens: int) -> list[bytes]:
-        return [hashlib.blake2b(f"{prefix}:{i}".encode(), digest_size=16).digest() for i in range(tokens // self.h)]
-
-    def allocate(self, count: int) -> list[int]:
-        if self.next_block + count > self.num_blocks:
-            self.next_block = 1  # wrap: tests that need distinct blocks stay well below num_blocks
-        ids = list(range(self.next_block, self.next_block + count))
-        self.next_block += count
-        return ids
-
-    def tables(self, tokens: int) -> tuple[list[int], ...]:
-        return tuple(self.allocate(-(-tokens // kind.block_size)) for kind in self.kinds)
-
-    def write(self, group: int, block_id: int, tag: str) -> None:
-        for layer in range(LAYERS):
-            self.tensors[f"g{group}.l{layer}"][block_id] = block_content(tag, layer)
-
-    def poison(self, block_id: int) -> None:
-        for tensor in self.tensors.values():
-            tensor[block_id] = POISON
-
-    def read(self, group: int, block_id: int) -> bytes:
-        return b"".join(self.tensors[f"g{group}.l{layer}"][block_id].tobytes() for layer in range(LAYERS))
-
-    def fill(self, prefix: str, tables: tuple[list[int], ...], hashes: list[bytes]) -> dict[str, bytes]:
-        """Write every block with content named by its chunk; return key → expected bytes."""
-        expected = {}
-        for group, (kind, table) in enumerate(zip(self.kinds, tables)):
-            named = chunk_hashes(hashes, self.h, kind.block_size)
-            for chunk, block_id in enumerate(table):
-                if block_id == 0:
-                    continue
-                tag = f"{prefix}/{group}/{chunk}"
-                self.write(group, block_id, tag)
-                if chunk < len(named):
-                    expected[self.spaces[group].key(named[chunk])] = b"".join(
-                        block_content(tag, layer).tobytes() for layer in range(LAYERS)
-                    )
-        return expected
-
-    def engine(
-        self, backend: Any, put_step: int = 1, rank: int = 0, config: WorkerConfig | None = None
-    ) -> WorkerEngine:
-        placements = [GroupPlacement(space, put_step, (rank + g) % put_step) for g, space in enumerate(self.spaces)]
-        return WorkerEngine(backend, self.coord, placements, self.layout, config)
-
-    def key(self, group: int, hashes: list[bytes], chunk: int) -> str:
-        return self.spaces[group].key(chunk_hashes(hashes, self.h, self.kinds[group].block_size)[chunk])
-
-
-def start(engine: WorkerEngine, req: str, hashes: list[bytes], tables: tuple[list[int], ...], prompt: int = 0) -> None:
-    engine.apply([RequestDelta(req, new_hashes=list(hashes), new_blocks=tables, num_prompt_tokens=prompt or 1 << 20)])
-
-
-@pytest.fixture
-def closing() -> Iterator[list[WorkerEngine]]:
-    engines: list[WorkerEngine] = []
-    yield engines
-    for engine in engines:
-        engine.close()
-
-
-def simple(
-    closing: list[WorkerEngine], config: WorkerConfig | None = None, kinds: Sequence[AttentionKind] | None = None
-) -> tuple[FakeModel, RecordingBackend, WorkerEngine]:
-    model = FakeModel(kinds or [FullAttention(16)])
-    backend = RecordingBackend()
-    engine = model.engine(backend, config=config)
-    closing.append(engine)
-    return model, backend, engine
-
-
-def add_request(model: FakeModel, engine: WorkerEngine, req: str, tokens: int) -> tuple[list[bytes], tuple, dict]:  # type: ignore[type-arg]
-    hashes = model.hashes(req, tokens)
-    tables = model.tables(tokens)
-    expected = model.fill(req, tables, hashes)
-    start(engine, req, hashes, tables)
-    return hashes, tables, expected
-
+from worker_fakes import (
+    BLOCK_BYTES,
+    LAYERS,
+    FakeModel,
+    RecordingBackend,
+    add_request,
+    simple,
+    start,
+)
 
 # ---- incremental == one-shot --------------------------------------------------------------------
 
@@ -408,7 +225,7 @@ def test_pressure_gate_drops_queued_saves_then_clears(closing: list[WorkerEngine
     assert engine.stored_tokens("r") == 128
 
 
-def test_pressure_gates_only_the_full_request(closing: list[WorkerEngine]) -> None:
+def test_pressure_drops_every_batch_queued_behind_the_full_put(closing: list[WorkerEngine]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "r", 256)
     add_request(model, engine, "other", 256)
@@ -417,14 +234,16 @@ def test_pressure_gates_only_the_full_request(closing: list[WorkerEngine]) -> No
     engine.save_request("r", 32)
     assert backend.put_entered.wait(5)
     engine.save_request("r", 64)
-    engine.save_request("other", 32)
+    engine.save_request("other", 32)  # a pool with no room has none for this either
     backend.gate.set()
     assert engine.drain(5)
-    assert engine.stats.save_jobs_dropped == 1
+    assert engine.stats.save_jobs_dropped == 2
+    assert engine.stored_tokens("other") == engine.stored_tokens("r") == 0
+    assert engine.under_pressure and engine.stats.pressure_events == 1
+    engine.save_request("other", 32)  # the dropped range was never planned: retried
+    assert engine.drain(5)
     assert engine.stored_tokens("other") == 32
-    assert engine.stored_tokens("r") == 0
-    assert not engine.under_pressure  # other's later put succeeded: the gate is off again
-    assert engine.stats.pressure_events == 1
+    assert not engine.under_pressure  # a put succeeded: the pressure is over
 
 
 def test_success_clears_pressure_for_other_requests(closing: list[WorkerEngine]) -> None:
@@ -496,13 +315,15 @@ def test_exists_exception_fails_the_job_not_the_sender(closing: list[WorkerEngin
     assert calls == [2, 4]
 
 
-def test_queue_limit_drops_and_retries(closing: list[WorkerEngine]) -> None:
-    model, backend, engine = simple(closing, config=WorkerConfig(queue_limit=1))
+
+def test_save_buffer_limit_drops_and_retries(closing: list[WorkerEngine]) -> None:
+    chunk = LAYERS * BLOCK_BYTES
+    model, backend, engine = simple(closing, config=WorkerConfig(save_buffer_bytes=2 * chunk))
     add_request(model, engine, "r", 128)
     backend.gate = threading.Event()
-    engine.save_request("r", 32)
+    engine.save_request("r", 32)  # two chunks: fills the buffer while its put waits
     assert backend.put_entered.wait(5)
-    engine.save_request("r", 64)  # over the limit: dropped, range stays unplanned
+    engine.save_request("r", 64)  # no room for its copies: dropped, the range stays unplanned
     assert engine.stats.save_jobs_dropped == 1
     backend.gate.set()
     assert engine.drain(5)
@@ -512,23 +333,92 @@ def test_queue_limit_drops_and_retries(closing: list[WorkerEngine]) -> None:
     assert len(set(backend.put_keys)) == 6
 
 
+# ---- the engine's blocks are read only inside save() -----------------------------------------------
+
+
+@pytest.mark.parametrize("sync_saves", [False, True])
+def test_blocks_are_read_only_inside_save(closing: list[WorkerEngine], sync_saves: bool) -> None:
+    """Right after every save() the engine overwrites every block (reuse after preemption, abort, finish
+    or a window slide; zeroing and copy-on-write of vLLM's Model Runner V2). No stored chunk may hold
+    anything but the bytes its key names, whenever the sender gets to it."""
+    model = FakeModel([FullAttention(16), SlidingWindow(16, 24)], num_blocks=64)
+    backend = RecordingBackend()
+    backend.put_delay_s = 0.002  # the sender lags behind the engine
+    engine = model.engine(backend, config=WorkerConfig(sync_saves=sync_saves))
+    closing.append(engine)
+    rng = np.random.default_rng(7)
+    expected: dict[str, bytes] = {}
+    for i in range(24):
+        req = f"r{i}"
+        tokens = int(rng.integers(2, 6)) * 16
+        hashes = model.hashes(req, tokens)
+        tables = model.tables(tokens)
+        expected.update(model.fill(req, tables, hashes))
+        start(engine, req, hashes, tables)
+        for length in range(32, tokens + 1, 32):
+            engine.save_request(req, length, computed_before=length - 32)
+            for table in tables:
+                for block_id in table:
+                    model.poison(block_id)
+            model.fill(req, tables, hashes)  # the next step of this request finds its blocks intact
+        (engine.preempt if rng.random() < 0.5 else engine.finish)([req])
+        for table in tables:
+            for block_id in table:
+                model.poison(block_id)
+    assert engine.drain(10)
+    stored = {key: backend.stored(key, LAYERS * BLOCK_BYTES) for key in expected}
+    assert sum(value is not None for value in stored.values()) > len(expected) // 2
+    assert all(value is None or value == expected[key] for key, value in stored.items())
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+@pytest.mark.parametrize("save_state", ["running", "queued"])
+def test_a_block_zeroed_before_the_pre_forward_hook_is_never_stored(
+    closing: list[WorkerEngine], runner: str, save_state: str
+) -> None:
+    """vLLM's Model Runner V2 zeroes newly allocated blocks (and applies copy-on-write copies) in
+    `update_requests`, before `pre_forward` calls the connector; V1 calls the connector first. A save
+    from step N of a request preempted in step N+1 must not store the zeroed reuse of its blocks."""
+    model, backend, engine = simple(closing)
+    add_request(model, engine, "first", 32)
+    hashes, tables, expected = add_request(model, engine, "a", 64)
+    backend.gate = threading.Event()
+    if save_state == "queued":
+        engine.save_request("first", 32)
+        assert backend.put_entered.wait(5)
+    engine.save_request("a", 64)  # step N
+    if save_state == "running":
+        assert backend.put_entered.wait(5)  # a's put is inside the backend
+    # step N+1: the scheduler preempts "a" and hands its blocks to another request; the runner zeroes them
+    if runner == "v2":
+        for block_id in tables[0]:
+            model.poison(block_id)
+        engine.handle_step(StepMetadata(preempted=["a"]))
+    else:
+        engine.handle_step(StepMetadata(preempted=["a"]))
+        for block_id in tables[0]:
+            model.poison(block_id)
+    backend.gate.set()
+    assert engine.drain(5)
+    for chunk in range(4):
+        key = model.key(0, hashes, chunk)
+        assert backend.stored(key, LAYERS * BLOCK_BYTES) == expected[key]
+
+
 # ---- finish / preempt while saving ------------------------------------------------------------
 
 
-def test_finish_while_a_save_runs_reports_after_it(closing: list[WorkerEngine]) -> None:
+def test_finish_while_a_save_runs_retires_the_request_after_it(closing: list[WorkerEngine]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "r", 64)
     backend.gate = threading.Event()
     engine.save_request("r", 64)
     assert backend.put_entered.wait(5)
     engine.finish(["r"])
-    assert engine.take_finished() == (set(), set())
     assert engine.active_requests() == 1
     backend.gate.set()
     assert engine.drain(5)
-    assert engine.take_finished() == ({"r"}, set())
     assert engine.active_requests() == 0
-    assert engine.take_finished() == (set(), set())  # reported once
     assert len(set(backend.put_keys)) == 4
 
 
@@ -540,454 +430,84 @@ def test_finish_while_queued_runs_the_save(closing: list[WorkerEngine]) -> None:
     engine.save_request("a", 64)
     assert backend.put_entered.wait(5)
     engine.save_request("b", 64)  # queued behind a
-    engine.finish(["b"])
-    assert engine.take_finished()[0] == set()
+    engine.finish(["b", "never-seen"])
     backend.gate.set()
     assert engine.drain(5)
-    assert engine.take_finished()[0] == {"b"}
     key = model.key(0, hashes_b, 3)
     assert backend.stored(key, 16) == expected_b[key]
     engine.finish(["a"])
-    assert engine.take_finished()[0] == {"a"}
     assert engine.active_requests() == 0
 
 
-def test_finish_without_saves_is_not_reported(closing: list[WorkerEngine]) -> None:
-    model, _, engine = simple(closing)
-    add_request(model, engine, "r", 64)
-    engine.finish(["r", "never-seen"])
-    assert engine.take_finished() == (set(), set())
-    assert engine.active_requests() == 0
-
-
-def test_preempt_while_queued_cancels_the_save(closing: list[WorkerEngine]) -> None:
+def test_preempt_while_queued_still_stores_what_was_captured(closing: list[WorkerEngine]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 64)
-    _, tables_b, _ = add_request(model, engine, "b", 64)
+    hashes_b, tables_b, expected_b = add_request(model, engine, "b", 64)
     backend.gate = threading.Event()
     engine.save_request("a", 64)
     assert backend.put_entered.wait(5)
     engine.save_request("b", 64)
     engine.preempt(["b"])
+    for block_id in tables_b[0]:
+        model.poison(block_id)  # the engine reuses b's blocks at once
     assert engine.active_requests() == 1
-    began = time.monotonic()
-    engine.fence(tables_b[0])  # b's queued save is cancelled: nothing reads its blocks any more
-    assert time.monotonic() - began < 0.5
     backend.gate.set()
     assert engine.drain(5)
-    assert all(not k.startswith(model.spaces[0].prefix) or k in set(backend.put_keys) for k in backend.put_keys)
-    assert engine.stats.save_jobs_dropped == 1
-    assert len(set(backend.put_keys)) == 4  # only a's chunks
-    engine.finish(["b"])  # the engine may still finish a preempted request: never reported
-    saving, _ = engine.take_finished()
-    assert "b" not in saving
-    engine.finish(["a"])
-    assert engine.take_finished()[0] == {"a"}
-    assert engine.active_requests() == 0
-
-
-def test_preempt_while_running_waits_in_fence(closing: list[WorkerEngine]) -> None:
-    model, backend, engine = simple(closing)
-    _, tables, expected = add_request(model, engine, "r", 64)
-    backend.gate = threading.Event()
-    engine.save_request("r", 64)
-    assert backend.put_entered.wait(5)
-    engine.preempt(["r"])
-    assert engine.active_requests() == 0
-    fenced = threading.Event()
-    waiter = threading.Thread(target=lambda: (engine.fence([tables[0][2]]), fenced.set()))
-    waiter.start()
-    assert not fenced.wait(0.2)  # the running save still reads the block
-    began = time.monotonic()
-    engine.fence([tables[0][-1] + 100])  # unrelated block: immediate
-    assert time.monotonic() - began < 0.5  # no waiting (generous for loaded CI machines)
-    backend.gate.set()
-    assert fenced.wait(5)
-    waiter.join()
-    assert engine.drain(5)
-    assert engine.take_finished() == (set(), set())  # preempted: never reported
-    for key, value in expected.items():  # what the running save read is intact
-        assert backend.stored(key, 16) == value
-
-
-def test_fence_waits_for_running_save_and_ignores_unrelated_blocks(closing: list[WorkerEngine]) -> None:
-    model, backend, engine = simple(closing)
-    _, tables, _ = add_request(model, engine, "r", 64)
-    backend.gate = threading.Event()
-    engine.save_request("r", 64)
-    assert backend.put_entered.wait(5)
-    began = time.monotonic()
-    engine.fence([tables[0][-1] + 1, 0])
-    assert time.monotonic() - began < 0.5  # no waiting (generous for loaded CI machines)
-    assert engine.stats.fence_waits == 0
-    fenced = threading.Event()
-    threading.Thread(target=lambda: (engine.fence([tables[0][1]]), fenced.set()), daemon=True).start()
-    assert not fenced.wait(0.2)
-    backend.gate.set()
-    assert fenced.wait(5)
-    assert engine.stats.fence_waits == 1
-
-
-def test_fence_timeout_cancels_unstarted_saves(closing: list[WorkerEngine]) -> None:
-    model, backend, engine = simple(closing, config=WorkerConfig(fence_timeout_s=0.1))
-    add_request(model, engine, "a", 64)
-    _, tables_b, _ = add_request(model, engine, "b", 64)
-    backend.gate = threading.Event()
-    engine.save_request("a", 64)
-    assert backend.put_entered.wait(5)
-    engine.save_request("b", 64)
-    began = time.monotonic()
-    engine.fence(tables_b[0])  # b's save has not started: cancelled after the timeout
-    assert 0.05 < time.monotonic() - began < 2
-    assert engine.stats.fence_cancelled_jobs == 1
-    backend.gate.set()
-    assert engine.drain(5)
-    assert engine.stored_tokens("b") == 0
-    engine.save_request("b", 64)  # the cancelled range is saved again
-    assert engine.drain(5)
-    assert engine.stored_tokens("b") == 64
-
-
-def test_handle_step_preempts_then_fences(closing: list[WorkerEngine]) -> None:
-    model, backend, engine = simple(closing)
-    _, tables, _ = add_request(model, engine, "r", 64)
-    backend.gate = threading.Event()
-    engine.save_request("r", 32)
-    assert backend.put_entered.wait(5)
-    engine.save_request("r", 64)  # queued
-    threading.Timer(0.2, backend.gate.set).start()
-    engine.handle_step(StepMetadata(preempted=["r"], written_blocks=list(tables[0])))
-    assert backend.gate.is_set()  # the fence waited for the running save
-    assert engine.drain(5)
-    assert len(backend.put_keys) == 2  # the queued save was cancelled
-
-
-@pytest.mark.parametrize("fenced", [True, False])
-def test_no_save_reads_a_block_after_fence(closing: list[WorkerEngine], fenced: bool) -> None:
-    """The engine poisons and reuses blocks right after fence(); no stored chunk may hold poison.
-    With the fence disabled the same schedule must store poison: the test can fail."""
-    model = FakeModel([FullAttention(16)], num_blocks=64)
-    backend = RecordingBackend()
-    backend.put_delay_s = 0.002
-    engine = model.engine(backend)
-    closing.append(engine)
-    if not fenced:
-        engine.fence = lambda block_ids: None  # type: ignore[method-assign]
-    rng = np.random.default_rng(7)
-    expected: dict[str, bytes] = {}
-    for i in range(24):
-        req = f"r{i}"
-        tokens = int(rng.integers(2, 6)) * 16
-        hashes = model.hashes(req, tokens)
-        tables = model.tables(tokens)
-        expected.update(model.fill(req, tables, hashes))
-        start(engine, req, hashes, tables)
-        for length in range(32, tokens + 1, 32):
-            engine.save_request(req, length)
-        if rng.random() < 0.5:
-            engine.preempt([req])
-        else:
-            engine.finish([req])
-        engine.fence(tables[0])  # the next step writes these blocks
-        for block_id in tables[0]:
-            model.poison(block_id)
-    assert engine.drain(10)
-    stored = [backend.stored(key, 16) for key in expected]
-    poisoned = sum(1 for value in stored if value == bytes([POISON]) * 16)
-    wrong = sum(1 for key, value in zip(expected, stored) if value is not None and value != expected[key])
-    if fenced:
-        assert poisoned == 0 and wrong == 0
-        assert any(value is not None for value in stored)
-    else:
-        assert poisoned > 0
-
-
-# ---- a stateful model of the request lifecycle -----------------------------------------------
-
-
-class WorkerLifecycle(RuleBasedStateMachine):
-    """Random saves, finishes, aborts, preemptions (with resumes under the same id), fences and pool
-    faults. Reports must match: a request is reported once iff it finished while running with saves."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = FakeModel([FullAttention(16), SlidingWindow(16, 24)], num_blocks=4096)
-        self.backend = RecordingBackend()
-        self.engine = self.model.engine(self.backend, config=WorkerConfig(fence_timeout_s=0.05))
-        self.count = 0
-        self.length: dict[str, int] = {}  # running requests → tokens so far
-        self.waiting: set[str] = set()  # preempted, may resume under the same id
-        self.done: set[str] = set()  # finished or aborted: the id is never used again
-        self.tables: dict[str, tuple[list[int], ...]] = {}
-        self.had_save: set[str] = set()  # saves since the request (re)started
-        self.expect_report: set[str] = set()
-        self.reported: Counter[str] = Counter()
-
-    def _collect(self) -> None:
-        saving, _ = self.engine.take_finished()
-        assert not saving & self.waiting, "a preempted request was reported"
-        assert saving <= self.expect_report, "a request was reported that did not finish with saves"
-        self.reported.update(saving)
-
-    def _begin(self, req: str) -> None:
-        hashes = self.model.hashes(req, 160)
-        tables = self.model.tables(160)
-        self.model.fill(req, tables, hashes)
-        self.engine.apply(
-            [RequestDelta(req, new_hashes=hashes, new_blocks=tables, replace_blocks=True, num_prompt_tokens=1 << 20)]
-        )
-        self.length[req] = 0
-        self.tables[req] = tables
-
-    @rule()
-    def new_request(self) -> None:
-        self._begin(f"r{self.count}")
-        self.count += 1
-
-    @precondition(lambda self: self.length)
-    @rule(data=st.data(), grow=st.integers(1, 48))
-    def save(self, data: st.DataObject, grow: int) -> None:
-        req = data.draw(st.sampled_from(sorted(self.length)))
-        previous = self.length[req]
-        self.length[req] = min(160, previous + grow)
-        self.engine.save_request(req, self.length[req], computed_before=previous)
-        self.had_save.add(req)
-
-    @precondition(lambda self: self.length)
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.length)))
-        self.engine.finish([req])
-        del self.length[req]
-        self.done.add(req)
-        if req in self.had_save:
-            self.expect_report.add(req)
-
-    @precondition(lambda self: self.waiting)
-    @rule(data=st.data())
-    def abort_waiting(self, data: st.DataObject) -> None:
-        """An abort of a preempted request: the engine finishes it, nothing to report."""
-        req = data.draw(st.sampled_from(sorted(self.waiting)))
-        self.engine.finish([req])
-        self.waiting.discard(req)
-        self.done.add(req)
-
-    @precondition(lambda self: self.length)
-    @rule(data=st.data())
-    def preempt(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.length)))
-        self.engine.preempt([req])
-        del self.length[req]
-        self.had_save.discard(req)
-        self.waiting.add(req)
-
-    @precondition(lambda self: self.waiting)
-    @rule(data=st.data())
-    def resume(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.waiting)))
-        self.waiting.discard(req)
-        self._begin(req)
-
-    @precondition(lambda self: self.tables)
-    @rule(data=st.data())
-    def fence(self, data: st.DataObject) -> None:
-        req = data.draw(st.sampled_from(sorted(self.tables)))
-        self.engine.fence(self.tables[req][0][:3] + self.tables[req][1][-2:])
-
-    @rule(status=st.sampled_from([Status.FULL, Status.ERROR]))
-    def fault(self, status: Status) -> None:
-        self.backend.put_statuses.append(status)
-
-    @rule(delay=st.sampled_from([0.0, 0.0005]))
-    def slow(self, delay: float) -> None:
-        self.backend.put_delay_s = delay
-
-    @rule()
-    def collect(self) -> None:
-        self._collect()
-
-    @rule()
-    def drain(self) -> None:
-        assert self.engine.drain(10)
-
-    @invariant()
-    def no_more_state_than_requests(self) -> None:
-        # running requests, plus finished ones whose saves are still in flight
-        assert self.engine.active_requests() <= len(self.length) + len(self.done)
-
-    def teardown(self) -> None:
-        try:
-            for req in sorted(self.length):
-                self.engine.finish([req])
-                self.done.add(req)
-                if req in self.had_save:
-                    self.expect_report.add(req)
-            self.length.clear()
-            for req in sorted(self.waiting):  # preempted requests stay preempted: never reported
-                self.engine.finish([req])
-            assert self.engine.drain(10)
-            self._collect()
-            assert self.engine.active_requests() == 0
-            assert set(self.reported) == self.expect_report
-            assert all(count == 1 for count in self.reported.values())
-        finally:
-            self.engine.close()
-
-
-TestWorkerLifecycle = WorkerLifecycle.TestCase
-TestWorkerLifecycle.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-
-
-# ---- loads --------------------------------------------------------------------------------------
-
-
-def saved_prefix(
-    closing: list[WorkerEngine],
-    kinds: Sequence[AttentionKind] | None = None,
-    tokens: int = 128,
-    config: WorkerConfig | None = None,
-) -> tuple[FakeModel, RecordingBackend, WorkerEngine, list[bytes], dict[str, bytes]]:
-    model, backend, engine = simple(closing, config=config, kinds=kinds)
-    hashes = model.hashes("prefix", tokens)
-    tables = model.tables(tokens)
-    expected = model.fill("prefix", tables, hashes)
-    start(engine, "writer", hashes, tables)
-    engine.save_request("writer", tokens)
-    assert engine.drain(5)
-    engine.finish(["writer"])
-    engine.take_finished()
-    return model, backend, engine, hashes, expected
-
-
-def load_request(
-    engine: WorkerEngine,
-    model: FakeModel,
-    req: str,
-    hashes: list[bytes],
-    start_tokens: int,
-    hit: int,
-    tables: tuple[list[int], ...] | None = None,
-) -> tuple[list[int], ...]:
-    tables = tables or model.tables(hit + 16)
-    engine.apply(
-        [
-            RequestDelta(
-                req,
-                new_hashes=hashes,
-                new_blocks=tables,
-                num_prompt_tokens=hit + 16,
-                stored_tokens=hit,
-                load=LoadSpec(start_tokens, hit),
-            )
-        ]
-    )
-    assert engine.drain(5)
-    return tables
-
-
-def test_load_fills_blocks_with_stored_bytes(closing: list[WorkerEngine]) -> None:
-    model, _, engine, hashes, expected = saved_prefix(closing)
-    tables = load_request(engine, model, "reader", hashes, 0, 128)
-    assert engine.take_failed_blocks() == set()
-    assert engine.take_finished() == (set(), {"reader"})
-    for chunk in range(8):
-        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
-    assert model.read(0, tables[0][8]) == bytes(16)  # beyond the hit: untouched
-    assert engine.stats.chunks_loaded == 8
-
-
-def test_load_skips_the_locally_cached_prefix(closing: list[WorkerEngine]) -> None:
-    model, _, engine, hashes, expected = saved_prefix(closing)
-    tables = load_request(engine, model, "reader", hashes, 48, 96)
-    for chunk in range(6):
-        value = model.read(0, tables[0][chunk])
-        assert value == (expected[model.key(0, hashes, chunk)] if chunk >= 3 else bytes(16))
-    assert engine.take_failed_blocks() == set()
-
-
-def test_load_of_a_missing_chunk_reports_its_block(closing: list[WorkerEngine]) -> None:
-    model, backend, engine, hashes, _ = saved_prefix(closing)
-    backend.remove([model.key(0, hashes, 2)])
-    tables = load_request(engine, model, "reader", hashes, 0, 128)
-    assert engine.take_failed_blocks() == {tables[0][2]}
-    assert engine.take_finished()[1] == {"reader"}
-    assert engine.take_failed_blocks() == set()
-
-
-def test_load_with_a_wrong_stored_size_reports_its_block(closing: list[WorkerEngine]) -> None:
-    model, backend, engine, hashes, _ = saved_prefix(closing)
-    key = model.key(0, hashes, 5)
-    backend.remove([key])
-    backend.inner.put([key], [[np.zeros(3, dtype=np.uint8)]])
-    tables = load_request(engine, model, "reader", hashes, 0, 128)
-    assert engine.take_failed_blocks() == {tables[0][5]}
-    assert engine.take_finished()[1] == {"reader"}
-
-
-def test_load_backend_exception_reports_exactly_the_unloaded_blocks(closing: list[WorkerEngine]) -> None:
-    model, backend, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(put_batch_chunks=2))
-    backend.get_raises_on = {2}  # the second batch (chunks 2, 3) raises; later batches are not tried
-    tables = load_request(engine, model, "reader", hashes, 0, 128)
-    assert engine.take_failed_blocks() == set(tables[0][2:8])
-    assert engine.take_finished()[1] == {"reader"}
-    for chunk in (0, 1):
-        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
-
-
-def test_load_from_an_unhealthy_backend_fails_every_block(closing: list[WorkerEngine]) -> None:
-    model, backend, engine, hashes, _ = saved_prefix(closing)
-    backend.is_healthy = False
-    tables = load_request(engine, model, "reader", hashes, 32, 128)
-    assert engine.take_failed_blocks() == set(tables[0][2:8])
-    assert engine.take_finished()[1] == {"reader"}
-
-
-def test_load_without_hashes_fails_the_uncovered_blocks(closing: list[WorkerEngine]) -> None:
-    model, _, engine, hashes, _ = saved_prefix(closing)
-    tables = load_request(engine, model, "reader", hashes[:5], 32, 128)
-    assert engine.take_failed_blocks() == set(tables[0][5:8])
-    assert engine.take_finished()[1] == {"reader"}
-    # fewer hashes than the local prefix: the locally computed blocks are not reported
-    tables = load_request(engine, model, "reader2", hashes[:1], 32, 128)
-    assert engine.take_failed_blocks() == set(tables[0][2:8])
-
-
-def test_hybrid_load_uses_the_load_mask_and_skips_null_blocks(closing: list[WorkerEngine]) -> None:
-    kinds = [FullAttention(32), SlidingWindow(16, 17)]
-    model, backend, engine, hashes, expected = saved_prefix(closing, kinds=kinds, tokens=128)
-    tables = model.tables(160)
-    tables[1][:6] = [0] * 6  # window blocks outside the window are null in the engine's table
-    backend.remove([model.key(1, hashes, 7)])  # the one window chunk a hit at 128 needs
-    tables = load_request(engine, model, "reader", hashes, 0, 128, tables)
-    assert engine.take_failed_blocks() == {tables[1][7]}
     for chunk in range(4):
-        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
-    assert model.read(1, tables[1][6]) == bytes(16)  # not required by a hit at 128: not loaded
-    assert engine.take_finished()[1] == {"reader"}
+        key = model.key(0, hashes_b, chunk)
+        assert backend.stored(key, 16) == expected_b[key]
+    engine.finish(["b", "a"])  # the engine may still finish a preempted request
+    assert engine.active_requests() == 0
 
 
-def test_fence_waits_for_a_running_load(closing: list[WorkerEngine]) -> None:
-    model, backend, engine, hashes, _ = saved_prefix(closing)
-    gate = threading.Event()
-    original = backend.get_into
-
-    def slow_get(keys: Sequence[str], dests: Sequence[Value]) -> list[Status]:
-        assert gate.wait(5)
-        return original(keys, dests)
-
-    backend.get_into = slow_get  # type: ignore[method-assign]
-    tables = model.tables(144)
-    engine.apply(
-        [RequestDelta("reader", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=144, load=LoadSpec(0, 128))]
-    )
-    fenced = threading.Event()
-    threading.Thread(target=lambda: (engine.fence([tables[0][0]]), fenced.set()), daemon=True).start()
-    assert not fenced.wait(0.2)
-    gate.set()
-    assert fenced.wait(5)
+def test_a_request_state_starts_only_at_its_first_delta(closing: list[WorkerEngine]) -> None:
+    """A delta that is not a request's first (no prompt length) must not start a state: its hashes
+    would pair with the wrong chunks. The save of such a request is skipped, never mis-keyed."""
+    model, backend, engine = simple(closing)
+    hashes = model.hashes("r", 64)
+    tables = model.tables(64)
+    model.fill("r", tables, hashes)
+    engine.apply([RequestDelta("r", new_hashes=hashes[2:], new_blocks=tables)])
+    engine.save_request("r", 64)
     assert engine.drain(5)
+    assert backend.put_keys == [] and engine.active_requests() == 0
+
+
+# ---- resets --------------------------------------------------------------------------------------
+
+
+def test_a_reset_drops_queued_saves_and_freezes_live_requests(closing: list[WorkerEngine]) -> None:
+    model, backend, engine = simple(closing)
+    add_request(model, engine, "a", 128)
+    add_request(model, engine, "b", 64)
+    backend.gate = threading.Event()
+    engine.save_request("a", 32)
+    assert backend.put_entered.wait(5)  # a's first save is inside the backend's put
+    engine.save_request("b", 64)  # queued
+    reset = threading.Thread(target=engine.handle_step, args=(StepMetadata(reset_epoch=1),))
+    reset.start()
+    reset.join(0.2)
+    assert reset.is_alive()  # the reset waits for the running put before emptying the pool
+    backend.gate.set()
+    reset.join(5)
+    assert engine.drain(5)
+    assert backend.inner.keys() == []  # neither the running save nor the queued one survived
+    engine.save_request("a", 128)  # a lived through the reset: its KV predates it
+    assert engine.drain(5)
+    assert backend.inner.keys() == []
+    assert engine.stats.resets == 1
+
+
+def test_a_reset_that_gives_up_waiting_removes_the_late_put(closing: list[WorkerEngine]) -> None:
+    model, backend, engine = simple(closing)
+    add_request(model, engine, "a", 32)
+    backend.gate = threading.Event()
+    engine.save_request("a", 32)
+    assert backend.put_entered.wait(5)
+    engine.reset(1, wait_s=0.05)  # the put hangs past the wait
+    backend.gate.set()
+    assert engine.drain(5)
+    assert backend.inner.keys() == []
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -1023,12 +543,3 @@ def test_save_before_layout_fails_the_job_only(closing: list[WorkerEngine]) -> N
     assert engine.stored_tokens("r") == 32
 
 
-def test_sync_loads_finish_inside_apply(closing: list[WorkerEngine]) -> None:
-    model, _, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(sync_loads=True))
-    engine.close()  # no loader thread: the load must run in the caller
-    tables = model.tables(144)
-    engine.apply([RequestDelta("reader", new_hashes=hashes, new_blocks=tables, load=LoadSpec(0, 128))])
-    assert engine.take_finished() == (set(), {"reader"})
-    assert engine.take_failed_blocks() == set()
-    for chunk in range(8):
-        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]

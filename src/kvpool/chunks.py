@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 from kvpool.errors import LayoutError
 from kvpool.masks import Mask, ceil_div
+
+
+class ChunkRef(NamedTuple):
+    """One chunk a rank saves or loads: its group, its index, the engine block holding it, its pool key."""
+
+    group: int
+    chunk: int
+    block_id: int
+    key: str
 
 
 def chunk_range(

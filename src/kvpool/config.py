@@ -61,7 +61,7 @@ class KVPoolConfig:
     lookup_timeout_s: float = 5.0
     check_exists_before_put: bool = True
     put_batch_chunks: int = 64
-    fence_timeout_s: float = 5.0
+    save_buffer_bytes: int = 1 << 30
     lookup_channel: str = "auto"
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
 
@@ -106,10 +106,13 @@ class KVPoolConfig:
         for key in ("tenant", "model_id"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(key, getattr(self, key), "a string")
-        for key in ("lookup_timeout_s", "fence_timeout_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(key, value, "a positive number of seconds")
+        if (
+            isinstance(self.lookup_timeout_s, bool)
+            or not isinstance(self.lookup_timeout_s, (int, float))
+            or self.lookup_timeout_s <= 0
+        ):
+            raise ConfigError("lookup_timeout_s", self.lookup_timeout_s, "a positive number of seconds")
+        self.save_buffer_bytes = parse_size("save_buffer_bytes", self.save_buffer_bytes)
         if (
             isinstance(self.put_batch_chunks, bool)
             or not isinstance(self.put_batch_chunks, int)

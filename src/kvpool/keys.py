@@ -31,6 +31,7 @@ class LayoutFingerprint:
     group_id: int = 0
     attention: str = ""  # attention kind of the group, e.g. "full" or "sliding_window:64"
     hash_algo: str = ""  # the engine's block-hash function and seed policy
+    weights: str = ""  # digest of what else decides the KV bytes: revision, quantization, model config
     tenant: str = ""  # optional salt: tenants never share chunks
 
     def digest(self) -> str:

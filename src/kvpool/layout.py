@@ -95,6 +95,14 @@ class KVLayout:
             offset += blocks.shape[1]
         return Rows((host.numpy(),), np.arange(len(ids)))
 
+    def copy_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
+        """Like `save_rows`, but always a host copy the caller owns: the engine may reuse the blocks
+        as soon as this returns."""
+        if self.staged:
+            return self.save_rows(group, block_ids)  # already copied out of device memory
+        ids = self._ids(group, block_ids)
+        return Rows(tuple(np.take(view, ids, axis=0) for view in self._views[group]), np.arange(len(ids)))
+
     def load_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
         """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled."""
         ids = self._ids(group, block_ids)

@@ -20,8 +20,8 @@ import zmq
 log = logging.getLogger("kvpool.lookup")
 
 Exists = Callable[[list[str]], list[bool]]
-Clear = Callable[[], int]
-CLEAR = b"\x00clear"  # keys never contain NUL, so a command cannot look like a lookup
+Reset = Callable[[int], int]  # (reset epoch) -> chunks removed, -1 on failure
+RESET = b"\x00reset:"  # + epoch; keys never contain NUL, so a command cannot look like a lookup
 
 
 def channel_address(engine_id: str) -> str:
@@ -30,10 +30,10 @@ def channel_address(engine_id: str) -> str:
 
 
 class LookupServer:
-    def __init__(self, address: str, exists: Exists, clear: Clear | None = None) -> None:
+    def __init__(self, address: str, exists: Exists, reset: Reset | None = None) -> None:
         self.address = address
         self._exists = exists
-        self._clear = clear
+        self._reset = reset
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -50,8 +50,9 @@ class LookupServer:
                 continue
             try:
                 payload = self._socket.recv()
-                if payload == CLEAR:
-                    self._socket.send(str(self._clear() if self._clear else -1).encode())
+                if payload.startswith(RESET):
+                    epoch = int(payload[len(RESET) :])
+                    self._socket.send(str(self._reset(epoch) if self._reset else -1).encode())
                     continue
                 keys = payload.decode().split("\n") if payload else []
                 try:
@@ -76,13 +77,16 @@ class LookupServer:
 
 
 class LookupClient:
-    """Used from one thread at a time (the scheduler's lookup thread)."""
+    """Thread-safe: the scheduler thread (reset) and the lookup thread share it. A ZMQ socket must
+    never be used by two threads at once, so the socket has one owner at a time: whoever holds the
+    lock, for a whole request and its reply."""
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
         self._timeout_ms = max(1, int(timeout_s * 1000))
         self._context = zmq.Context()
         self._socket: zmq.Socket | None = None
+        self._lock = threading.Lock()
 
     def _connect(self) -> zmq.Socket:
         socket = self._context.socket(zmq.REQ)
@@ -100,23 +104,26 @@ class LookupClient:
             raise RuntimeError(f"lookup answer has {len(reply)} entries for {len(keys)} keys")
         return [bool(b) for b in reply]
 
-    def clear(self) -> int:
-        """Empty the remote pool; returns how many chunks went (-1: the server cannot clear)."""
-        return int(self._ask(CLEAR).decode())
+    def reset(self, epoch: int) -> int:
+        """Reset the remote pool to `epoch`; returns how many chunks went (-1: the server cannot)."""
+        return int(self._ask(RESET + str(epoch).encode()).decode())
 
     def _ask(self, payload: bytes) -> bytes:
-        if self._socket is None:
-            self._socket = self._connect()
-        try:
-            self._socket.send(payload)
-            return bytes(self._socket.recv())
-        except zmq.Again as exc:
-            # a REQ socket that missed its reply is stuck: start a new one next time
-            self._socket.close(0)
-            self._socket = None
-            raise TimeoutError(f"no lookup answer from {self.address} within {self._timeout_ms} ms") from exc
+        with self._lock:
+            if self._socket is None:
+                self._socket = self._connect()
+            try:
+                self._socket.send(payload)
+                return bytes(self._socket.recv())
+            except zmq.Again as exc:
+                # a REQ socket that missed its reply is stuck: start a new one next time
+                self._socket.close(0)
+                self._socket = None
+                raise TimeoutError(f"no lookup answer from {self.address} within {self._timeout_ms} ms") from exc
 
     def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close(0)
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close(0)
+                self._socket = None
         self._context.term()

@@ -124,20 +124,32 @@ class FullAttention(AttentionKind):
 
 
 class SlidingWindow(AttentionKind):
-    """A hit at L needs the blocks holding the window's last `window - 1` tokens before L."""
+    """A hit at L needs the blocks holding the last `window - 1 + extra_retained` tokens before L.
+
+    `extra_retained` tokens below the window are never attended, but the engine keeps their blocks
+    (vLLM: multi-token prediction re-prefills them), so a hit must fill them like the window's own:
+    a block the engine holds and kvpool did not load would hold another request's bytes."""
 
     name = "sliding_window"
     frees_blocks = True
 
-    def __init__(self, block_size: int, window: int) -> None:
+    def __init__(self, block_size: int, window: int, *, extra_retained: int = 0) -> None:
         super().__init__(block_size)
         if not isinstance(window, int) or window <= 0:
             raise LayoutError(f"sliding window={window!r}: expected a positive number of tokens")
+        if not isinstance(extra_retained, int) or extra_retained < 0:
+            raise LayoutError(f"extra_retained_tokens={extra_retained!r}: expected a token count >= 0")
         self.window = window
+        self.extra_retained = extra_retained
+
+    @property
+    def retained_tokens(self) -> int:
+        """Tokens before the next position whose blocks the engine keeps."""
+        return self.window - 1 + self.extra_retained
 
     @property
     def tail_chunks(self) -> int:
-        return ceil_div(self.window - 1, self.block_size)
+        return ceil_div(self.retained_tokens, self.block_size)
 
     def required(self, boundary: int) -> range:
         end = boundary // self.block_size
@@ -151,10 +163,11 @@ class SlidingWindow(AttentionKind):
         return boundaries.retention_interval is None and self.tail_chunks * self.block_size >= boundaries.lcm
 
     def first_live_chunk(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+        return max(0, num_computed_tokens - self.retained_tokens) // self.block_size
 
     def describe(self) -> str:
-        return f"{self.name}:{self.window}"
+        extra = f"+{self.extra_retained}" if self.extra_retained else ""
+        return f"{self.name}:{self.window}{extra}"
 
 
 class ChunkedLocal(AttentionKind):
@@ -243,6 +256,14 @@ class MaskCoordinator:
 
     def align(self, tokens: int) -> int:
         return max(0, tokens) // self.lcm * self.lcm
+
+    @property
+    def resumes_at_failed_chunk(self) -> bool:
+        """Can the engine recompute a failed load from its first failed chunk on, keeping the chunks
+        before it? Only for one group that keeps every block: resuming inside a sliding window (or a
+        local chunk, or after a state block) needs blocks below the hit that were never loaded. Any
+        other model recomputes the whole request."""
+        return len(self.kinds) == 1 and not self.kinds[0].frees_blocks
 
     def boundaries(self, num_prompt_tokens: int) -> Boundaries:
         if self.retention_interval is None:

@@ -29,9 +29,5 @@ class RequestDelta:
 @dataclass
 class StepMetadata:
     requests: list[RequestDelta] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    written_blocks: list[int] = field(default_factory=list)  # blocks this step may overwrite: the save fence
-
-    def is_empty(self) -> bool:
-        return not (self.requests or self.finished or self.preempted or self.written_blocks)
+    reset_epoch: int = 0  # pool resets so far: a worker that sees it grow drops every earlier save

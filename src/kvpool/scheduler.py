@@ -53,7 +53,6 @@ class _Tracker:
     sent_hashes: int = 0
     sent_blocks: list[int] = field(default_factory=list)
     saved_tokens: int = 0
-    save_emitted: bool = False
     started: bool = False
     load: LoadSpec | None = None
 
@@ -83,6 +82,7 @@ class SchedulerEngine:
         self._lookups: dict[str, _Lookup] = {}
         self._trackers: dict[str, _Tracker] = {}
         self._load_failed: set[str] = set()  # never offer these requests a pool hit again
+        self.reset_epoch = 0  # pool resets so far
         self._executor: ThreadPoolExecutor | None = None
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -217,7 +217,6 @@ class SchedulerEngine:
         saveable = coord.align(min(saveable, len(block_hashes) * coord.hash_block_size))
         if saveable > tracker.saved_tokens:
             delta.save_tokens = tracker.saved_tokens = saveable
-            tracker.save_emitted = True
         if tracker.load is not None:
             delta.load, tracker.load = tracker.load, None
         needed = max(delta.save_tokens, delta.load.hit_tokens if delta.load else 0) // coord.hash_block_size
@@ -230,25 +229,31 @@ class SchedulerEngine:
 
     def mark_load_failed(self, req_id: str) -> None:
         """A load for the request failed: it recomputes, and later lookups must not offer the same hit
-        (the pool still lists the chunks, so the engine would load and fail forever)."""
+        (the pool still lists the chunks, so the engine would load and fail forever). What failed is
+        not in the pool: the request saves again from its start once recomputed (the worker knows
+        which chunks did arrive, and skips them)."""
         self._load_failed.add(req_id)
         self._lookups.pop(req_id, None)
+        tracker = self._trackers.get(req_id)
+        if tracker is not None:
+            tracker.saved_tokens = 0
 
-    def finish(self, req_id: str) -> bool:
-        """The request ended. True: a save was issued, so the engine should report when it is done."""
+    def finish(self, req_id: str) -> None:
+        """The request ended: forget it."""
         self._load_failed.discard(req_id)
         self._lookups.pop(req_id, None)
-        tracker = self._trackers.pop(req_id, None)
-        return tracker is not None and tracker.save_emitted
+        self._trackers.pop(req_id, None)
 
     def preempt(self, req_id: str) -> None:
         self.stats.preemptions += 1
         self._lookups.pop(req_id, None)
         self._trackers.pop(req_id, None)
 
-    def forget_lookups(self) -> None:
-        """The pool was emptied: no cached answer may be reused."""
+    def reset(self) -> None:
+        """The pool was emptied: no cached answer may be reused, and the workers must drop every save
+        taken before (the next step's `reset_epoch` tells them)."""
         self._lookups.clear()
+        self.reset_epoch += 1
 
     def active_requests(self) -> int:
         return len(self._trackers) + len(self._lookups) + len(self._load_failed)

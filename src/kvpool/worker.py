@@ -1,34 +1,42 @@
-"""Worker side: save queue with an incremental high-water mark, pressure gate, retries, loads.
+"""Worker side: incremental saves captured inside the engine step, an async sender, loads.
 
-Block safety: a save never reads a block after the engine may reuse it. Every queued or running
-save registers the blocks it will read; before the engine writes blocks (each step's forward and
-loads), `fence(blocks)` waits until no pending save reads any of them, cancelling saves that have
-not started if they outlast `fence_timeout_s`. The engine therefore never needs to hold blocks for
-us, and preempted, aborted or finished requests are safe by construction.
+Block safety (DESIGN invariant 1): kvpool reads the engine's blocks only inside `save`, which the
+engine calls once per step after that step's forward (vLLM: `wait_for_save`). There a save either
+puts the blocks into the pool (an in-process pool: the put is the copy) or copies them into host
+memory it owns and queues that copy for the sender thread. Once `save` returns, nothing of kvpool
+reads an engine block again, so whatever the engine does with it next - free it on preemption,
+abort or finish, slide it out of a window, zero it or copy into it (vLLM's Model Runner V2 does both
+*before* the connector's pre-forward hook, V1 after it) - cannot reach a stored chunk. No fence, no
+delayed frees, the same guarantee in every runner order.
+
+Each request keeps two high-water marks: `planned_mark` (tokens covered by captured saves) and
+`stored_mark` (tokens known stored; advances only when a whole range succeeded). A failed range
+re-plans from `stored_mark`, so the next save of the request retries it while its blocks live.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvpool.backends.base import Backend, Status
-from kvpool.chunks import chunk_range
+import numpy as np
+
+from kvpool.backends.base import Backend, Rows, Status
+from kvpool.chunks import ChunkRef, chunk_range
 from kvpool.errors import LayoutError
 from kvpool.keys import KeySpace, chunk_hashes
 from kvpool.layout import NULL_BLOCK_ID, KVLayout
+from kvpool.loader import Loader
 from kvpool.masks import MaskCoordinator
 from kvpool.metadata import RequestDelta, StepMetadata
+from kvpool.sender import Sender
 
 log = logging.getLogger("kvpool.worker")
 
-Fence = Callable[[], None]  # blocks until the engine's writes to the saved blocks are done
+RESET_WAIT_S = 10.0  # a reset waits this long for a put from before it (a remote pool bounds its calls)
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,10 @@ class GroupPlacement:
 class WorkerConfig:
     put_batch_chunks: int = 64
     check_exists_before_put: bool = True
-    fence_timeout_s: float = 5.0
-    queue_limit: int = 4096
+    # put in the engine step: right for an in-process pool, where the put is the copy out of the engine's
+    # blocks anyway; remote pools get a host copy taken in the step and put by the sender thread
+    sync_saves: bool = False
+    save_buffer_bytes: int = 1 << 30  # host copies queued for the sender; a step beyond this is not saved
     # load in the caller's thread: right for an in-process pool, where a load is a memcpy and a loader
     # thread would only wait for the GIL while the engine loop spins; remote pools load on a thread
     sync_loads: bool = False
@@ -53,7 +63,7 @@ class WorkerConfig:
 
 @dataclass
 class WorkerStats:
-    save_jobs: int = 0
+    save_jobs: int = 0  # save batches: one per engine step with new chunks
     save_jobs_dropped: int = 0
     chunks_examined: int = 0
     chunks_already_present: int = 0
@@ -61,34 +71,13 @@ class WorkerStats:
     chunks_put_failed: int = 0
     chunks_unreadable: int = 0  # null or freed blocks: nothing to save
     bytes_put: int = 0
+    bytes_captured: int = 0  # copied out of the engine's blocks for the sender
     loads: int = 0
     chunks_loaded: int = 0
     chunks_load_failed: int = 0
     bytes_loaded: int = 0
-    fence_waits: int = 0
-    fence_wait_s: float = 0.0
-    fence_cancelled_jobs: int = 0
     pressure_events: int = 0
-
-
-@dataclass
-class _Item:
-    group: int
-    block_id: int
-    key: str
-
-
-@dataclass
-class _SaveJob:
-    seq: int
-    state: _RequestState
-    start: int
-    end: int
-    items: list[_Item]
-    fence: Fence | None
-    blocks: Counter[int]
-    started: bool = False
-    cancelled: bool = False
+    resets: int = 0
 
 
 @dataclass
@@ -98,16 +87,45 @@ class _RequestState:
     hashes: list[bytes] = field(default_factory=list)
     blocks: list[list[int]] = field(default_factory=list)
     stored_mark: int = 0  # tokens this rank knows are stored (advances on full success only)
-    planned_mark: int = 0  # tokens covered by queued jobs
+    planned_mark: int = 0  # tokens covered by captured saves
     computed_before: int = 0
-    jobs: list[_SaveJob] = field(default_factory=list)
+    in_flight: int = 0  # save batches holding a range of this request
     finished: bool = False
-    dropped: bool = False
-    gated_through_seq: int = -1  # queued jobs up to this seq are dropped (pool pressure)
+    dropped: bool = False  # preempted or retired: a later delta starts a new state
+    frozen: bool = False  # alive across a pool reset: its KV mixes old and new, never saved again
+
+
+@dataclass
+class _Range:
+    """One request's share of a save batch: `count` consecutive items of the batch."""
+
+    state: _RequestState
+    start: int
+    end: int
+    count: int
+
+
+@dataclass
+class _SaveBatch:
+    seq: int
+    epoch: int
+    ranges: list[_Range]
+    items: list[ChunkRef]
+    captured: dict[int, Rows] | None = None  # per group: host copies, rows in item order; None: engine memory
+    rows: list[int] = field(default_factory=list)  # per item: its row in captured[item.group]
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class LoadFailures:
+    """What to tell the engine about failed loads: blocks to recompute from, or requests to redo."""
+
+    invalid_blocks: set[int]
+    failed_requests: set[str]
 
 
 class WorkerEngine:
-    """One per engine worker (rank). Thread-safe; the sender and loader run on their own threads."""
+    """One per engine worker (rank). Thread-safe; the sender and the loader run on their own threads."""
 
     def __init__(
         self,
@@ -126,25 +144,21 @@ class WorkerEngine:
         self.config = config or WorkerConfig()
         self.stats = WorkerStats()
         self._lock = threading.Lock()
-        self._reads_done = threading.Condition(self._lock)
+        self._puts_done = threading.Condition(self._lock)
         self._states: dict[str, _RequestState] = {}
-        self._pending_reads: Counter[int] = Counter()
-        self._queued: int = 0
         self._seq = 0
+        self._epoch = 0
+        self._putting_epoch: int | None = None  # epoch of the batch inside the backend's put, if any
         self._pressure = False
-        self._saving: set[str] = set()  # saves requested since the last preemption: report when done
-        self._finished_saving: set[str] = set()
-        self._finished_loading: set[str] = set()
-        self._failed_loads: dict[str, set[int]] = {}
-        self._save_queue: queue.Queue[_SaveJob | None] = queue.Queue()
-        self._load_queue: queue.Queue[tuple[str, list[_Item]] | None] = queue.Queue()
-        self._loads_pending = 0
-        self._idle = threading.Condition(threading.Lock())
-        self._closed = False
-        self._sender = threading.Thread(target=self._send_loop, name="kvpool-sender", daemon=True)
-        self._loader = threading.Thread(target=self._load_loop, name="kvpool-loader", daemon=True)
-        self._sender.start()
-        self._loader.start()
+        self._sender: Sender[_SaveBatch] = Sender(self._store, self._drop_batch, self.config.save_buffer_bytes)
+        self.loader = Loader(
+            backend,
+            lambda: self.layout,
+            self.stats,
+            self.config.put_batch_chunks,
+            sync=self.config.sync_loads,
+            on_done=self._load_done,
+        )
 
     def register_layout(self, layout: KVLayout) -> None:
         if layout.num_groups != len(self.placements):
@@ -154,29 +168,49 @@ class WorkerEngine:
     # ---- per-step entry points -------------------------------------------------------------
 
     def handle_step(self, step: StepMetadata) -> None:
-        """Before the engine writes anything this step: drop preempted work, then fence."""
+        """Before the step: forget preempted requests; empty the pool if the scheduler reset it."""
         self.preempt(step.preempted)
-        self.fence(step.written_blocks)
+        if step.reset_epoch > self._epoch:
+            self.reset(step.reset_epoch)  # not reached directly by the scheduler
 
     def apply(self, deltas: Iterable[RequestDelta]) -> None:
         """Record new hashes and blocks, and start the loads the step asks for."""
         for delta in deltas:
-            state = self._update_state(delta)
-            if delta.load is not None:
-                self.load(state, delta.load.start_tokens, delta.load.hit_tokens)
+            if self._update_state(delta) is not None and delta.load is not None:
+                self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens)
 
-    def save(self, deltas: Iterable[RequestDelta], fence: Fence | None = None) -> None:
-        """Queue saves for every request whose saveable length grew (after the forward is launched)."""
-        for delta in deltas:
-            if delta.save_tokens > 0:
-                self.save_request(delta.req_id, delta.save_tokens, delta.computed_before, fence)
+    def save(self, deltas: Iterable[RequestDelta]) -> None:
+        """After the step's forward: save every request whose saveable length grew, as one batch.
+        The engine's blocks are read before this returns and never again."""
+        with self._lock:
+            batch = self._plan_batch(deltas)
+        if batch is None:
+            return
+        if self.config.sync_saves:
+            self._store(batch)
+            return
+        try:
+            self._capture(batch)
+        except Exception:
+            log.exception("copying %d chunks out of the engine failed; they are not saved", len(batch.items))
+            self._end_batch(batch, [Status.ERROR] * len(batch.items))
+            return
+        if not self._sender.submit(batch):
+            self._drop_batch(batch)  # the buffer is full: the ranges are re-planned by later saves
+
+    def save_request(self, req_id: str, token_len: int, computed_before: int = 0) -> None:
+        self.save([RequestDelta(req_id, save_tokens=token_len, computed_before=computed_before)])
 
     # ---- request state -----------------------------------------------------------------------
 
-    def _update_state(self, delta: RequestDelta) -> _RequestState:
+    def _update_state(self, delta: RequestDelta) -> _RequestState | None:
         with self._lock:
             state = self._states.get(delta.req_id)
             if state is None or state.dropped:
+                if not delta.num_prompt_tokens:
+                    # only a request's first delta carries its hashes from 0: a state built from a later
+                    # one would pair chunks with the wrong hashes
+                    return None
                 state = _RequestState(
                     delta.req_id,
                     delta.num_prompt_tokens,
@@ -200,33 +234,35 @@ class WorkerEngine:
             state.computed_before = max(state.computed_before, delta.computed_before)
             return state
 
-    def save_request(self, req_id: str, token_len: int, computed_before: int = 0, fence: Fence | None = None) -> None:
-        with self._lock:
-            # the scheduler holds the request's blocks until it hears this save is done: always report it
-            self._saving.add(req_id)
-            state = self._states.get(req_id)
-            if state is None or state.dropped or state.finished:
-                return
-            state.computed_before = max(state.computed_before, computed_before)
-            hashed = len(state.hashes) * self.coordinator.hash_block_size
-            end = self.coordinator.align(min(token_len, hashed))
+    def _plan_batch(self, deltas: Iterable[RequestDelta]) -> _SaveBatch | None:
+        """Under the lock: the new chunks of every request in `deltas`, marks advanced past them."""
+        ranges: list[_Range] = []
+        items: list[ChunkRef] = []
+        coord = self.coordinator
+        for delta in deltas:
+            if delta.save_tokens <= 0:
+                continue
+            state = self._states.get(delta.req_id)
+            if state is None or state.dropped or state.finished or state.frozen:
+                continue
+            state.computed_before = max(state.computed_before, delta.computed_before)
+            hashed = len(state.hashes) * coord.hash_block_size
+            end = coord.align(min(delta.save_tokens, hashed))
             if end <= state.planned_mark:
-                return
-            if self._queued >= self.config.queue_limit:
-                self.stats.save_jobs_dropped += 1
-                return  # the range stays unplanned and is retried by the next save
-            items = self._plan(state, state.planned_mark, end)
-            self._seq += 1
-            job = _SaveJob(self._seq, state, state.planned_mark, end, items, fence, Counter(i.block_id for i in items))
+                continue
+            planned = self._plan(state, state.planned_mark, end)
+            ranges.append(_Range(state, state.planned_mark, end, len(planned)))
+            items.extend(planned)
             state.planned_mark = end
-            state.jobs.append(job)
-            self._pending_reads.update(job.blocks)
-            self._queued += 1
-            self.stats.save_jobs += 1
-        self._save_queue.put(job)
+            state.in_flight += 1
+        if not ranges:
+            return None
+        self._seq += 1
+        self.stats.save_jobs += 1
+        return _SaveBatch(self._seq, self._epoch, ranges, items)
 
-    def _plan(self, state: _RequestState, start: int, end: int) -> list[_Item]:
-        items: list[_Item] = []
+    def _plan(self, state: _RequestState, start: int, end: int) -> list[ChunkRef]:
+        items: list[ChunkRef] = []
         coord = self.coordinator
         for group, (kind, placement) in enumerate(zip(coord.kinds, self.placements)):
             hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
@@ -241,308 +277,228 @@ class WorkerEngine:
                 if block_id == NULL_BLOCK_ID or chunk < first_live:
                     self.stats.chunks_unreadable += 1
                     continue
-                items.append(_Item(group, block_id, placement.keys.key(hashes[chunk])))
+                items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk])))
         return items
 
     def preempt(self, req_ids: Iterable[str]) -> None:
-        """Forget the requests: their queued saves are cancelled (the engine frees their blocks now)."""
+        """Forget the requests (the engine frees their blocks now; captured saves still land)."""
         with self._lock:
             for req_id in req_ids:
-                self._saving.discard(req_id)
                 state = self._states.pop(req_id, None)
                 if state is not None:
-                    self._drop(state)
+                    state.dropped = True
 
     def finish(self, req_ids: Iterable[str]) -> None:
-        """The requests are done; their state goes once their queued saves end."""
+        """The requests are done; their state goes once their captured saves are put."""
         with self._lock:
             for req_id in req_ids:
                 state = self._states.get(req_id)
-                if state is None:
-                    self._report_saved(req_id)
-                    continue
-                state.finished = True
-                if not state.jobs:
-                    self._retire(state)
+                if state is not None:
+                    state.finished = True
+                    if not state.in_flight:
+                        self._retire(state)
 
     def _retire(self, state: _RequestState) -> None:
         if self._states.get(state.req_id) is state:
             del self._states[state.req_id]
-            self._report_saved(state.req_id)
         state.dropped = True
 
-    def _report_saved(self, req_id: str) -> None:
-        if req_id in self._saving:
-            self._saving.discard(req_id)
-            self._finished_saving.add(req_id)
+    def reset(self, epoch: int, wait_s: float = RESET_WAIT_S) -> int:
+        """Empty the pool (vLLM `reset_prefix_cache(reset_connector=True)`, maybe for new weights) so
+        that no save taken before lands after: queued ones are dropped (their epoch is old), a put
+        already running is waited for, then the pool is emptied. The live requests' KV was computed
+        before the reset, so they never save again. Returns how many chunks went (-1: failed).
 
-    def _drop(self, state: _RequestState) -> None:
-        state.dropped = True
-        for job in state.jobs:
-            if not job.started:
-                self._cancel(job)
-
-    def _cancel(self, job: _SaveJob) -> None:
-        if not job.cancelled:
-            job.cancelled = True
-            self._release_reads(job)
-
-    def _release_reads(self, job: _SaveJob) -> None:
-        self._pending_reads.subtract(job.blocks)
-        for block_id in job.blocks:
-            if self._pending_reads[block_id] <= 0:
-                del self._pending_reads[block_id]
-        job.blocks = Counter()
-        self._reads_done.notify_all()
-
-    def fence(self, block_ids: Iterable[int]) -> None:
-        """Return once no pending save will read any of these blocks."""
+        The scheduler calls it directly when it can reach the worker (same process); other workers
+        run it at their next step, before any load of that step."""
         with self._lock:
-            if not self._pending_reads:
-                return
-            wanted = [b for b in block_ids if b in self._pending_reads]
-            if not wanted:
-                return
-            began = time.monotonic()
-            deadline = began + self.config.fence_timeout_s
-            self.stats.fence_waits += 1
-            while any(b in self._pending_reads for b in wanted):
+            self._epoch = epoch
+            for state in self._states.values():
+                state.frozen = True
+            self.stats.resets += 1
+            deadline = time.monotonic() + wait_s
+            while self._putting_epoch is not None and self._putting_epoch < epoch:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._cancel_unstarted_reading(set(wanted))
-                    remaining = 0.05  # started reads finish on their own; keep waiting for them
-                self._reads_done.wait(remaining)
-            self.stats.fence_wait_s += time.monotonic() - began
+                    log.warning("a save from before the reset is still running; it is removed once it ends")
+                    break
+                self._puts_done.wait(remaining)
+        try:
+            return self.backend.clear()
+        except Exception:
+            log.exception("could not empty the pool after a reset")
+            return -1
 
-    def _cancel_unstarted_reading(self, blocks: set[int]) -> None:
-        for state in list(self._states.values()):
-            for job in state.jobs:
-                if not job.started and not job.cancelled and blocks.intersection(job.blocks):
-                    self._cancel(job)
-                    state.planned_mark = min(state.planned_mark, state.stored_mark)
-                    self.stats.fence_cancelled_jobs += 1
+    # ---- storing a batch (the sender thread, or the engine thread with sync_saves) ------------
 
-    # ---- sender -------------------------------------------------------------------------------
+    def _capture(self, batch: _SaveBatch) -> None:
+        """Copy the batch's blocks out of the engine into host memory the batch owns."""
+        layout = self._layout()
+        groups: dict[int, list[int]] = {}
+        batch.rows = []
+        for item in batch.items:
+            ids = groups.setdefault(item.group, [])
+            batch.rows.append(len(ids))
+            ids.append(item.block_id)
+        batch.captured = {group: layout.copy_rows(group, ids) for group, ids in groups.items()}
+        batch.nbytes = sum(layout.chunk_nbytes(group) * len(ids) for group, ids in groups.items())
+        self.stats.bytes_captured += batch.nbytes
 
-    def _send_loop(self) -> None:
-        while True:
-            job = self._save_queue.get()
-            if job is None:
-                return
-            try:
-                self._run_save(job)
-            except Exception:
-                log.exception("save of request %s failed", job.state.req_id)
-                with self._lock:
-                    self._end_job(job, success=False)
+    def _store(self, batch: _SaveBatch) -> None:
+        results = [Status.ERROR] * len(batch.items)
+        try:
+            results = self._put_batch(batch)
+        except Exception:
+            log.exception("save of %d chunks failed", len(batch.items))
+        self._end_batch(batch, results)
 
-    def _run_save(self, job: _SaveJob) -> None:
-        state = job.state
+    def _put_batch(self, batch: _SaveBatch) -> list[Status]:
         with self._lock:
-            if job.cancelled or state.dropped or job.seq <= state.gated_through_seq:
-                self.stats.save_jobs_dropped += 1
-                self._end_job(job, success=False)
-                return
-            job.started = True
-        if job.fence is not None and job.items:
-            job.fence()
-        items = job.items
+            if batch.epoch != self._epoch:
+                return [Status.ERROR] * len(batch.items)  # captured before a reset: never stored
+            self._putting_epoch = batch.epoch
+        try:
+            results = self._put_items(batch)
+        finally:
+            with self._lock:
+                self._putting_epoch = None
+                self._puts_done.notify_all()
+                stale = batch.epoch != self._epoch
+        if stale:
+            # a reset gave up waiting for this put: what landed holds KV from before it
+            self.backend.remove([item.key for item, status in zip(batch.items, results) if status is Status.OK])
+            return [Status.ERROR] * len(batch.items)
+        return results
+
+    def _put_items(self, batch: _SaveBatch) -> list[Status]:
+        items = batch.items
+        results = [Status.OK] * len(items)
         self.stats.chunks_examined += len(items)
-        status = Status.OK
-        if items and self.config.check_exists_before_put:
+        todo = list(range(len(items)))
+        if todo and self.config.check_exists_before_put:
             present = self.backend.exists([item.key for item in items])
             self.stats.chunks_already_present += sum(present)
-            items = [item for item, there in zip(items, present) if not there]
-        batch = self.config.put_batch_chunks
-        for offset in range(0, len(items), batch):
-            status = self._put(items[offset : offset + batch])
-            if status is not Status.OK:
+            todo = [index for index, there in zip(todo, present) if not there]
+        size = self.config.put_batch_chunks
+        for offset in range(0, len(todo), size):
+            part = todo[offset : offset + size]
+            statuses = _per_group(items, part, lambda group, members: self._put(batch, group, members))
+            for index, status in zip(part, statuses):
+                results[index] = status
+            if any(status is not Status.OK for status in statuses):
+                for index in todo[offset + size :]:
+                    results[index] = Status.ERROR  # not tried: the range is retried as a whole
                 break
-        with self._lock:
-            if status is Status.FULL:
-                self._enter_pressure(state)
-            elif status is Status.OK and items and self._pressure:
-                self._leave_pressure()
-            self._end_job(job, success=status is Status.OK)
+        return results
 
-    def _put(self, items: list[_Item]) -> Status:
-        layout = self.layout
-        if layout is None:
-            raise LayoutError("save before register_layout: the engine's KV memory is unknown")
-        results = _per_group(
-            items,
-            lambda group, part: self.backend.put(
-                [item.key for item in part], layout.save_rows(group, [item.block_id for item in part])
-            ),
-        )
-        ok = results.count(Status.OK)
+    def _put(self, batch: _SaveBatch, group: int, members: list[int]) -> list[Status]:
+        items = batch.items
+        keys = [items[index].key for index in members]
+        if batch.captured is None:
+            rows = self._layout().save_rows(group, [items[index].block_id for index in members])
+        else:
+            captured = batch.captured[group]
+            rows = Rows(captured.arrays, np.asarray([batch.rows[index] for index in members], dtype=np.int64))
+        statuses = self.backend.put(keys, rows)
+        ok = statuses.count(Status.OK)
         self.stats.chunks_put += ok
-        self.stats.bytes_put += sum(
-            layout.chunk_nbytes(item.group) for item, r in zip(items, results) if r is Status.OK
-        )
-        self.stats.chunks_put_failed += len(results) - ok
-        if ok == len(results):
-            return Status.OK
-        return Status.FULL if Status.FULL in results else Status.ERROR
+        self.stats.bytes_put += ok * self._layout().chunk_nbytes(group)
+        self.stats.chunks_put_failed += len(statuses) - ok
+        return statuses
 
-    def _end_job(self, job: _SaveJob, *, success: bool) -> None:
-        state = job.state
-        self._release_reads(job)
-        self._queued -= 1
-        if job in state.jobs:
-            state.jobs.remove(job)
-        if not state.dropped:
-            if success and state.stored_mark >= job.start:
-                state.stored_mark = max(state.stored_mark, job.end)
-            elif not success:
-                # re-plan from what is really stored: the next save of the request retries the range
-                state.planned_mark = state.stored_mark
-        if state.finished and not state.jobs:
-            self._retire(state)
-        with self._idle:
-            self._idle.notify_all()
+    def _drop_batch(self, batch: _SaveBatch) -> None:
+        self.stats.save_jobs_dropped += 1
+        self._end_batch(batch, [Status.ERROR] * len(batch.items))
 
-    def _enter_pressure(self, state: _RequestState) -> None:
-        self._pressure = True
-        self.stats.pressure_events += 1
-        state.gated_through_seq = self._seq
-        state.planned_mark = state.stored_mark
-
-    def _leave_pressure(self) -> None:
-        self._pressure = False
-        for state in self._states.values():
-            state.gated_through_seq = -1
+    def _end_batch(self, batch: _SaveBatch, results: list[Status]) -> None:
+        batch.captured = None  # the host copies are done with
+        with self._lock:
+            offset = 0
+            for part in batch.ranges:
+                state = part.state
+                ok = all(status is Status.OK for status in results[offset : offset + part.count])
+                offset += part.count
+                state.in_flight -= 1
+                if not state.dropped:
+                    if ok and state.stored_mark >= part.start:
+                        state.stored_mark = max(state.stored_mark, part.end)
+                    elif not ok:
+                        # re-plan from what is really stored: the next save of the request retries the range
+                        state.planned_mark = min(state.planned_mark, state.stored_mark)
+                if state.finished and not state.in_flight:
+                    self._retire(state)
+            if Status.FULL in results:
+                if not self._pressure:
+                    self.stats.pressure_events += 1
+                self._pressure = True
+                self._sender.drop_queued(self._seq)  # what is queued now would find no room either
+            elif self._pressure and batch.items and all(status is Status.OK for status in results):
+                self._pressure = False
 
     @property
     def under_pressure(self) -> bool:
         return self._pressure
 
+    def _layout(self) -> KVLayout:
+        if self.layout is None:
+            raise LayoutError("save or load before register_layout: the engine's KV memory is unknown")
+        return self.layout
+
     # ---- loads --------------------------------------------------------------------------------
 
-    def load(self, state: _RequestState, start_tokens: int, hit_tokens: int) -> None:
+    def load(self, req_id: str, start_tokens: int, hit_tokens: int) -> None:
+        """Load the chunks of a hit of `hit_tokens` from `start_tokens` on into the request's blocks."""
         coord = self.coordinator
-        items: list[_Item] = []
-        failed: list[int] = []
-        masks = coord.load_masks(hit_tokens)
-        for group, (kind, placement) in enumerate(zip(coord.kinds, self.placements)):
-            hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
-            table = state.blocks[group]
-            for chunk in chunk_range(
-                hit_tokens,
-                hit_tokens // kind.block_size,
-                start_tokens,
-                _tail(masks[group], start_tokens, kind.block_size),
-                1,
-                0,
-                kind.block_size,
-            ):
-                block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
-                if block_id == NULL_BLOCK_ID:
-                    continue
-                if chunk >= len(hashes):  # no hash, no key: only blocks this load was to fill fail
-                    failed.append(block_id)
-                    continue
-                items.append(_Item(group, block_id, placement.keys.key(hashes[chunk])))
+        items: list[ChunkRef] = []
+        missing: list[ChunkRef] = []
         with self._lock:
-            if failed:
-                self._failed_loads.setdefault(state.req_id, set()).update(failed)
-            # loads write blocks: a later step that reuses them (abort) must wait like for a save
-            self._pending_reads.update(item.block_id for item in items)
-            self._loads_pending += 1
-        self.stats.loads += 1
-        if self.config.sync_loads:
-            self._execute_load(state.req_id, items)
-        else:
-            self._load_queue.put((state.req_id, items))
-
-    def _load_loop(self) -> None:
-        while True:
-            entry = self._load_queue.get()
-            if entry is None:
+            state = self._states.get(req_id)
+            if state is None:
                 return
-            self._execute_load(*entry)
+            masks = coord.load_masks(hit_tokens)
+            for group, (kind, placement) in enumerate(zip(coord.kinds, self.placements)):
+                hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
+                table = state.blocks[group]
+                mask = masks[group]
+                if mask is not None:
+                    mask = mask[-(-start_tokens // kind.block_size) :]
+                for chunk in chunk_range(
+                    hit_tokens, hit_tokens // kind.block_size, start_tokens, mask, 1, 0, kind.block_size
+                ):
+                    block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
+                    if block_id == NULL_BLOCK_ID:
+                        continue
+                    if chunk >= len(hashes):  # no hash, no key: only blocks this load was to fill fail
+                        missing.append(ChunkRef(group, chunk, block_id, ""))
+                        continue
+                    items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk])))
+        self.loader.start(req_id, items, missing)
 
-    def _execute_load(self, req_id: str, items: list[_Item]) -> None:
-        failed: set[int] = {item.block_id for item in items}
-        try:
-            failed = self._run_load(items)
-        except Exception:
-            log.exception("load of request %s failed; its blocks will be recomputed", req_id)
-        finally:
-            with self._lock:
-                if failed:
-                    self._failed_loads.setdefault(req_id, set()).update(failed)
-                self._finished_loading.add(req_id)
-                self._pending_reads.subtract(item.block_id for item in items)
-                self._pending_reads = +self._pending_reads
-                self._loads_pending -= 1
-                self._reads_done.notify_all()
-            with self._idle:
-                self._idle.notify_all()
-
-    def _run_load(self, items: list[_Item]) -> set[int]:
-        layout = self.layout
-        if layout is None:
-            raise LayoutError("load before register_layout: the engine's KV memory is unknown")
-        failed: set[int] = set()
-        batch = self.config.put_batch_chunks
-        for offset in range(0, len(items), batch):
-            part = items[offset : offset + batch]
-            if not self.backend.healthy():
-                failed.update(item.block_id for item in items[offset:])
-                break
-            try:
-                results = self._get_part(layout, part)
-            except Exception:
-                # this batch and the ones not tried are unloaded; earlier batches did load
-                log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
-                failed.update(item.block_id for item in items[offset:])
-                break
-            corrupt: list[str] = []
-            for item, result in zip(part, results):
-                if result is Status.OK:
-                    self.stats.chunks_loaded += 1
-                    self.stats.bytes_loaded += layout.chunk_nbytes(item.group)
-                else:
-                    failed.add(item.block_id)
-                    if result is Status.SIZE_MISMATCH:
-                        corrupt.append(item.key)
-            if corrupt:
-                # a chunk of the wrong size can never load: drop it so lookups stop offering it
-                log.warning("removing %d pool chunks whose size does not match this engine's blocks", len(corrupt))
-                self.backend.remove(corrupt)
-        self.stats.chunks_load_failed += len(failed)
-        return failed
-
-    def _get_part(self, layout: KVLayout, part: list[_Item]) -> list[Status]:
-        """Read one batch into its blocks, one backend call per KV cache group."""
-
-        def read(group: int, items: list[_Item]) -> list[Status]:
-            block_ids = [item.block_id for item in items]
-            rows = layout.load_rows(group, block_ids)
-            statuses = self.backend.get_into([item.key for item in items], rows)
-            layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
-            return statuses
-
-        return _per_group(part, read)
+    def _load_done(self, req_id: str, failed: list[ChunkRef]) -> None:
+        """A load ended; the chunks from the first failed one on are not in the pool: save them again."""
+        if not failed:
+            return
+        kinds = self.coordinator.kinds
+        first = self.coordinator.align(min(item.chunk * kinds[item.group].block_size for item in failed))
+        with self._lock:
+            state = self._states.get(req_id)
+            if state is not None:
+                state.stored_mark = min(state.stored_mark, first)
+                state.planned_mark = min(state.planned_mark, first)
 
     # ---- results for the engine ---------------------------------------------------------------
 
-    def take_finished(self) -> tuple[set[str], set[str]]:
-        """(finished saving, finished loading) since the last call."""
-        with self._lock:
-            saving, self._finished_saving = self._finished_saving, set()
-            loading, self._finished_loading = self._finished_loading, set()
-        return saving, loading
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose load ended (loaded or failed) since the last call."""
+        return self.loader.take_finished()
 
-    def take_failed_blocks(self) -> set[int]:
-        return set().union(*self.take_failed_loads().values())
-
-    def take_failed_loads(self) -> dict[str, set[int]]:
-        """Blocks that could not be loaded, per request, since the last call."""
-        with self._lock:
-            failed, self._failed_loads = self._failed_loads, {}
-        return failed
+    def take_load_failures(self) -> LoadFailures:
+        """Failed loads since the last call, in the form the engine can recompute from."""
+        failed = self.loader.take_failed()
+        if self.coordinator.resumes_at_failed_chunk:
+            blocks = {item.block_id for items in failed.values() for item in items}
+            return LoadFailures(blocks, set())
+        return LoadFailures(set(), set(failed))
 
     def active_requests(self) -> int:
         with self._lock:
@@ -556,40 +512,25 @@ class WorkerEngine:
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save and load has run; False on timeout."""
         deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._queued or self._loads_pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._idle.wait(min(remaining, 0.05))
-        return True
+        return self._sender.drain(timeout_s) and self.loader.drain(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._save_queue.put(None)
-        self._load_queue.put(None)
-        self._sender.join(timeout_s)
-        self._loader.join(timeout_s)
+        self._sender.close(timeout_s)
+        self.loader.close(timeout_s)
 
 
-def _tail(mask: Any, start_tokens: int, block_size: int) -> Any:
-    if mask is None:
-        return None
-    return mask[-(-start_tokens // block_size) :]
-
-
-def _per_group(items: list[_Item], call: Callable[[int, list[_Item]], list[Status]]) -> list[Status]:
-    """`call` once per KV cache group with that group's items, in order; the statuses in item order."""
-    first = items[0].group if items else 0
-    if all(item.group == first for item in items):
-        return call(first, items)  # one group: the common case
-    positions: dict[int, list[int]] = {}
-    for position, item in enumerate(items):
-        positions.setdefault(item.group, []).append(position)
-    results = [Status.ERROR] * len(items)
-    for group, members in positions.items():
-        for position, status in zip(members, call(group, [items[p] for p in members])):
+def _per_group(
+    items: Sequence[ChunkRef], members: list[int], call: Callable[[int, list[int]], list[Status]]
+) -> list[Status]:
+    """`call` once per KV cache group with that group's members, in order; the statuses in member order."""
+    first = items[members[0]].group if members else 0
+    if all(items[index].group == first for index in members):
+        return call(first, members)  # one group: the common case
+    by_group: dict[int, list[int]] = {}
+    for position, index in enumerate(members):
+        by_group.setdefault(items[index].group, []).append(position)
+    results = [Status.ERROR] * len(members)
+    for group, positions in by_group.items():
+        for position, status in zip(positions, call(group, [members[p] for p in positions])):
             results[position] = status
     return results

@@ -224,3 +224,25 @@ def test_a_copy_that_fails_mid_batch_gives_back_what_it_reserved() -> None:
     pool.broken = False
     assert pool.put(["b"], [[np.ones(100, np.uint8)]]) == [Status.OK]
     assert pool.stats().used_bytes == 200
+
+
+def test_an_allocation_that_fails_gives_back_every_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh value array is allocated after its key is reserved; if that allocation raises, no key of
+    the batch may stay reserved: a reserved key answers later puts OK and stores nothing."""
+    pool = MemoryBackend(10_000)
+    values = [value("a", 100), value("b", 300)]
+    empty = np.empty
+
+    def failing_empty(shape: object, *args: object, **kwargs: object) -> np.ndarray:
+        if shape == 300:
+            raise MemoryError("scripted")
+        return empty(shape, *args, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(np, "empty", failing_empty)
+    with pytest.raises(MemoryError):
+        pool.put(["a", "b"], values)
+    monkeypatch.undo()
+    assert pool.stats().used_bytes == 0
+    assert pool.put(["a", "b"], values) == [Status.OK, Status.OK]
+    assert pool.exists(["a", "b"]) == [True, True]
+    assert read(pool, "b", 300) == (Status.OK, bytes(value("b", 300)[0]))

@@ -168,3 +168,36 @@ def test_reset_prefix_cache_with_the_connector_empties_the_pool(model_dir, pool_
         assert again[0].num_cached_tokens == 256  # from the pool
         assert llm.reset_prefix_cache(reset_connector=True)
         assert generate_greedy(llm, prompts, MAX_TOKENS)[0].num_cached_tokens == 0
+
+
+def test_a_chunk_lost_between_lookup_and_load_never_leaves_a_window_unfilled(model_dir, pool_name, monkeypatch):
+    """All-sliding-window model (one group; vLLM frees blocks below the window): a hit of 256 tokens at
+    block 32, window 64, loads only chunks 6 and 7; the others are null blocks. If chunk 7 vanishes
+    before the load, resuming at token 224 would attend to null block 5: kvpool must have vLLM
+    recompute the whole request instead."""
+    from kvpool.backends.memory import shared_memory_pool
+
+    model = model_dir("mistral")
+    prompts = random_prompts(2, 300, seed=11)
+    block = {"block_size": 32}
+    with engine(model, **block) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(model, kv_transfer_config=connector_config(pool_name), **block) as llm:
+        _, save_stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert save_stats.chunks_put > 0
+    pool = shared_memory_pool(pool_name, 256 << 20)
+    get_into = pool.get_into
+    lost: list[str] = []
+
+    def lose_the_last_chunk(keys, dests):
+        lost.append(keys[-1])
+        pool.remove([keys[-1]])  # evicted after the lookup found it
+        return get_into(keys, dests)
+
+    monkeypatch.setattr(pool, "get_into", lose_the_last_chunk)
+    with engine(model, kv_transfer_config=connector_config(pool_name), **block) as llm:
+        loaded, stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert len(lost) == 2 and stats.chunks_load_failed == 2
+    assert stats.chunks_loaded == 2  # chunk 6 of each prompt did arrive
+    assert [r.num_cached_tokens for r in loaded] == [0, 0]  # recomputed from the start
+    assert_same_greedy(baseline, loaded)

@@ -61,27 +61,27 @@ def test_empty_stats():
 
 def test_aggregate_sums_counters_and_keeps_latest_pool_snapshot_per_rank():
     older = _stats(
-        {"chunks_saved": 2, "fence_wait_seconds": 0.25},
+        {"chunks_saved": 2, "bytes_captured": 250},
         {"tp0-pp0": {"pool_used_bytes": 100, "pool_keys": 1, "pool_capacity_bytes": 1000}},
     )
     newer = _stats(
-        {"chunks_saved": 3, "chunks_loaded": 4, "fence_wait_seconds": 0.5},
+        {"chunks_saved": 3, "chunks_loaded": 4, "bytes_captured": 500},
         {"tp0-pp0": {"pool_used_bytes": 300, "pool_keys": 3, "pool_capacity_bytes": 1000}},
     )
     other_rank = _stats(pools={"tp1-pp0": {"pool_used_bytes": 50, "pool_keys": 1, "pool_capacity_bytes": 1000}})
     merged = older.aggregate(newer).aggregate(other_rank).aggregate(KVPoolStats())
     assert merged is older
-    assert merged.counters == {"chunks_saved": 5, "chunks_loaded": 4, "fence_wait_seconds": 0.75}
+    assert merged.counters == {"chunks_saved": 5, "chunks_loaded": 4, "bytes_captured": 750}
     assert merged.pools["tp0-pp0"]["pool_used_bytes"] == 300
     assert merged.reduce() == {
         "chunks_saved": 5,
         "chunks_loaded": 4,
-        "fence_wait_seconds": 0.75,
+        "bytes_captured": 750,
         "pool_used_bytes": 350,
         "pool_keys": 4,
         "pool_capacity_bytes": 2000,
     }
-    assert list(merged.reduce())[:3] == ["chunks_saved", "chunks_loaded", "fence_wait_seconds"]  # spec order
+    assert list(merged.reduce())[:3] == ["chunks_saved", "chunks_loaded", "bytes_captured"]  # spec order
     # the scheduler merges its own (counter-only) stats into the worker's: names never collide
     assert not {s.key for s in WORKER_COUNTERS} & {s.key for s in SCHEDULER_COUNTERS}
     assert _stats({"chunks_saved": 1}).aggregate(_stats({"lookups": 2})).counters == {"chunks_saved": 1, "lookups": 2}
@@ -114,10 +114,10 @@ def test_worker_sampler_reports_deltas_and_nothing_when_idle():
     assert sampler.take() is None
     stats.chunks_put += 1
     stats.bytes_put += 400
-    stats.fence_wait_s += 0.5
+    stats.bytes_captured += 500
     delta = sampler.take()
     assert delta is not None
-    assert delta.counters == {"chunks_saved": 1, "bytes_saved": 400, "fence_wait_seconds": 0.5, "pool_evictions": 1}
+    assert delta.counters == {"chunks_saved": 1, "bytes_saved": 400, "bytes_captured": 500, "pool_evictions": 1}
     assert delta.pools == {"tp0-pp0": {"pool_used_bytes": 700, "pool_keys": 2, "pool_capacity_bytes": 1000}}
     assert sampler.take() is None
     stats.chunks_loaded += 1

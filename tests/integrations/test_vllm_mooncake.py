@@ -183,8 +183,8 @@ def test_master_killed_mid_workload(llama, baseline, masters):
 
     Bound per batch: BATCH_BOUND_S. What an outage can cost one batch: the first RPC to a dead master
     may block ~4.3 s in Mooncake's reconnect loop (a lookup in flight: the scheduler's async lookup waits at
-    most lookup_timeout_s = 5 s for it; a save already inside such an RPC holds the next step's fence for
-    as long), after which the breaker answers at once. Computing 3 prompts takes < 1 s (2-3 s on a
+    most lookup_timeout_s = 5 s for it; saves run on the sender thread from host copies, so they never hold a
+    step), after which the breaker answers at once. Computing 3 prompts takes < 1 s (2-3 s on a
     loaded 2-core machine). 15 s covers the worst sum with margin, yet fails if the stall repeats per
     call (3+ lookups or saves each waiting 4.3 s) or a call hangs (30 s)."""
     master = masters()

@@ -135,9 +135,15 @@ class MemoryBackend:
         stats = self._stats
         with self._lock:
             targets = [self._reserve_one(key, size, stats) for key, size in zip(keys, sizes)]
-        return [
-            np.empty(size, dtype=np.uint8) if target is None else target for target, size in zip(targets, sizes)
-        ]
+        try:
+            return [
+                np.empty(size, dtype=np.uint8) if target is None else target for target, size in zip(targets, sizes)
+            ]
+        except BaseException:
+            # an allocation failed: no key of this batch may stay reserved, or later puts of it would
+            # answer OK and store nothing
+            self._publish([], [key for key, target in zip(keys, targets) if not isinstance(target, Status)])
+            raise
 
     def _reserve_one(self, key: str, size: int, stats: BackendStats) -> np.ndarray | Status | None:
         """Under the lock. None: `size` bytes are reserved; the caller allocates them outside the lock."""

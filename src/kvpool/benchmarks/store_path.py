@@ -152,7 +152,7 @@ class _IncrementalRun:
             cell.coordinator,
             [GroupPlacement(cell.space)],
             cell.layout,
-            WorkerConfig(queue_limit=1 << 20),
+            WorkerConfig(sync_saves=True),
         )
         prefill = []
         for request, length in zip(cell.requests, cell.start_lengths):

@@ -10,10 +10,11 @@ core's plain data (kvpool.scheduler / kvpool.worker) and back. No pool logic liv
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,13 +35,15 @@ from kvpool.integrations.vllm_metrics import (
     SchedulerStatsSampler,
     WorkerStatsSampler,
 )
-from kvpool.keys import KeySpace, LayoutFingerprint
+from kvpool.keys import LayoutFingerprint
 from kvpool.layout import KVLayout
 from kvpool.lookup_channel import LookupClient, LookupServer, channel_address
-from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.masks import MaskCoordinator
 from kvpool.metadata import StepMetadata
+from kvpool.plan import ModelPlan
 from kvpool.scheduler import SchedulerConfig, SchedulerEngine
-from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+from kvpool.specs import SpecFacts, attention_kind
+from kvpool.worker import WorkerConfig, WorkerEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,38 +68,52 @@ _LOCAL_SCHEDULERS: dict[str, _SchedulerSide] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def _full(spec: Any) -> AttentionKind:
-    return FullAttention(spec.block_size)
+def group_spec(spec: Any) -> Any:
+    """The spec both roles see for a group. vLLM hands the scheduler the first layer's spec where the
+    workers get a `UniformTypeKVCacheSpecs` (layers of one kind whose sizes differ), so both roles
+    derive kinds and keys from that first layer; a wrapper whose layers differ in kind is refused."""
+    layers = getattr(spec, "kv_cache_specs", None)
+    if not layers:
+        return spec
+    first = next(iter(layers.values()))
+    kinds = {attention_kind(spec_facts(layer)) for layer in layers.values()}
+    if len(kinds) > 1:
+        raise LayoutError(f"KV cache group {type(spec).__name__} mixes attention kinds {sorted(map(repr, kinds))}")
+    return first
 
 
-def _sliding(spec: Any) -> AttentionKind:
-    return SlidingWindow(spec.block_size, spec.sliding_window)
-
-
-def _chunked(spec: Any) -> AttentionKind:
-    return ChunkedLocal(spec.block_size, spec.attention_chunk_size)
-
-
-# vLLM spec class name -> our attention kind; subclasses (e.g. MLAAttentionSpec) resolve via the MRO
-SPEC_KINDS = {
-    "SlidingWindowSpec": _sliding,
-    "ChunkedLocalAttentionSpec": _chunked,
-    "FullAttentionSpec": _full,
-}
-
-
-def attention_kind(spec: Any) -> AttentionKind:
-    specs = getattr(spec, "kv_cache_specs", None)
-    if specs:  # UniformTypeKVCacheSpecs: every layer has the same kind
-        return attention_kind(next(iter(specs.values())))
-    for cls in type(spec).__mro__:
-        make = SPEC_KINDS.get(cls.__name__)
-        if make is not None:
-            return make(spec)
-    raise LayoutError(
-        f"KV cache spec {type(spec).__name__} is not supported by kvpool "
-        f"(supported: {', '.join(SPEC_KINDS)}); run this model without the connector"
+def spec_facts(spec: Any) -> SpecFacts:
+    return SpecFacts(
+        type_name=type(spec).__name__,
+        block_size=spec.block_size,
+        sliding_window=getattr(spec, "sliding_window", None),
+        extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0) or 0,
+        attention_chunk_size=getattr(spec, "attention_chunk_size", None),
+        non_causal=bool(getattr(spec, "non_causal", False)),
     )
+
+
+def weights_digest(vllm_config: VllmConfig) -> str:
+    """What decides the KV bytes besides the path and the layout: the weights' revision and load
+    format (dummy weights follow the seed), quantization, the model dtype and the model's config
+    after `hf_overrides` (rope scaling, head sizes, ...). LoRA adapters, multimodal inputs and
+    `cache_salt` already reach vLLM's block hashes."""
+    model = vllm_config.model_config
+    load_format = str(vllm_config.load_config.load_format)
+    hf_config = model.hf_config.to_dict()
+    config = {k: v for k, v in hf_config.items() if not k.startswith("_") and k != "transformers_version"}
+    facts = {
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "revision": model.revision,
+        "code_revision": model.code_revision,
+        "quantization": model.quantization,
+        "dtype": str(model.dtype),
+        "load_format": load_format,
+        "seed": model.seed if "dummy" in load_format else None,
+        "hf_config": config,
+    }
+    text = json.dumps(facts, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _cpu_isa() -> str:
@@ -111,48 +128,9 @@ def _cpu_isa() -> str:
     return "base"
 
 
-@dataclass
-class ModelPlan:
-    """What both roles derive identically from the engine config: kinds, keys, TP placement."""
-
-    coordinator: MaskCoordinator
-    fingerprints: list[LayoutFingerprint]  # per group, shard 0
-    tp_rank: int
-    tp_size: int
-    replicas: int  # TP ranks holding identical bytes
-    pp_rank: int
-    pp_size: int
-
-    @property
-    def shard(self) -> int:
-        return self.tp_rank // self.replicas
-
-    def placements(self) -> list[GroupPlacement]:
-        position = self.tp_rank % self.replicas
-        return [
-            GroupPlacement(
-                KeySpace(_with(fp, tp_shard=self.shard, pp_rank=self.pp_rank)),
-                put_step=self.replicas,
-                put_step_rank=(position + group) % self.replicas,
-            )
-            for group, fp in enumerate(self.fingerprints)
-        ]
-
-    def lookup_namespaces(self) -> list[list[KeySpace]]:
-        shards = max(1, self.tp_size // self.replicas)
-        return [
-            [KeySpace(_with(fp, tp_shard=s, pp_rank=p)) for s in range(shards) for p in range(self.pp_size)]
-            for fp in self.fingerprints
-        ]
-
-
-def _with(fp: LayoutFingerprint, **changes: Any) -> LayoutFingerprint:
-    return replace(fp, **changes)
-
-
 def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVPoolConfig) -> ModelPlan:
-    groups = kv_cache_config.kv_cache_groups
-    kinds = [attention_kind(group.kv_cache_spec) for group in groups]
+    specs = [group_spec(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
+    kinds = [attention_kind(spec_facts(spec)) for spec in specs]
     hash_block = kv_cache_config.hash_block_size or min(kind.block_size for kind in kinds)
     retention = config.retention_interval
     if retention == "engine":
@@ -162,10 +140,7 @@ def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: 
     parallel = vllm_config.parallel_config
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     rank = getattr(parallel, "rank", 0)
-    tp_rank, pp_rank = rank % tp_size, rank // tp_size
     model_config = vllm_config.model_config
-    kv_heads = model_config.get_total_num_kv_heads()
-    replicas = tp_size if model_config.use_mla else max(1, tp_size // max(1, kv_heads))
     device = vllm_config.device_config.device_type
     layout = kv_cache_config.kv_cache_layout or "default"
     isa = _cpu_isa() if device == "cpu" else torch.__version__
@@ -176,24 +151,28 @@ def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: 
             "other engines will never hit what this one stores",
             hash_algo,
         )
-    fingerprints = []
-    for group_id, (group, kind) in enumerate(zip(groups, kinds)):
-        spec = group.kv_cache_spec
-        fingerprints.append(
-            LayoutFingerprint(
-                model=config.model_id or model_config.model,
-                dtype=str(getattr(spec, "dtype", model_config.dtype)),
-                block_size=kind.block_size,
-                kv_layout=f"{device}:{layout}:{isa}:{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}",
-                chunk_bytes=spec.page_size_bytes,  # per layer; the layers come from pp_rank of pp_size
-                pp_size=pp_size,
-                group_id=group_id,
-                attention=kind.describe(),
-                hash_algo=f"{hash_algo}:{os.environ.get('PYTHONHASHSEED', '')}",
-                tenant=config.tenant,
-            )
+    weights = weights_digest(vllm_config)
+    fingerprints = [
+        LayoutFingerprint(
+            model=config.model_id or model_config.model,
+            dtype=str(getattr(spec, "dtype", model_config.dtype)),
+            block_size=kind.block_size,
+            kv_layout=(
+                f"{device}:{layout}:{isa}:{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}"
+                f":{getattr(spec, 'kv_quant_mode', '')}"
+            ),
+            chunk_bytes=spec.page_size_bytes,  # per layer; the layers come from pp_rank of pp_size
+            pp_size=pp_size,
+            group_id=group_id,
+            attention=f"{type(spec).__name__}:{kind.describe()}",
+            hash_algo=f"{hash_algo}:{os.environ.get('PYTHONHASHSEED', '')}",
+            weights=weights,
+            tenant=config.tenant,
         )
-    return ModelPlan(coordinator, fingerprints, tp_rank, tp_size, replicas, pp_rank, pp_size)
+        for group_id, (spec, kind) in enumerate(zip(specs, kinds))
+    ]
+    replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
+    return ModelPlan(coordinator, fingerprints, rank % tp_size, tp_size, replicas, rank // tp_size, pp_size)
 
 
 class KVPoolMetadata(KVConnectorMetadata):
@@ -339,8 +318,8 @@ class _WorkerSide:
         self.connector = connector
         config = connector.config
         plan = connector.plan
-        self.num_groups = len(plan.fingerprints)
         self.backend: Backend = create_backend(config.backend, config.backend_options())
+        in_process_pool = config.backend == "memory"
         self.engine = WorkerEngine(
             self.backend,
             plan.coordinator,
@@ -348,15 +327,15 @@ class _WorkerSide:
             config=WorkerConfig(
                 put_batch_chunks=config.put_batch_chunks,
                 check_exists_before_put=config.check_exists_before_put,
-                fence_timeout_s=config.fence_timeout_s,
-                sync_loads=config.backend == "memory",
+                sync_saves=in_process_pool,
+                save_buffer_bytes=config.save_buffer_bytes,
+                sync_loads=in_process_pool,
             ),
         )
         self.server: LookupServer | None = None
-        if config.backend == "memory" and plan.tp_rank == 0 and plan.pp_rank == 0 and config.lookup_channel != "direct":
-            self.server = LookupServer(channel_address(connector.engine_id), self.backend.exists, self.backend.clear)
+        if in_process_pool and plan.tp_rank == 0 and plan.pp_rank == 0 and config.lookup_channel != "direct":
+            self.server = LookupServer(channel_address(connector.engine_id), self.backend.exists, self.engine.reset)
         self._invalid_blocks: set[int] = set()
-        self._device: torch.device | None = None
         self._applied: StepMetadata | None = None
         self.metrics = WorkerStatsSampler(self.engine.stats, self.backend, f"tp{plan.tp_rank}-pp{plan.pp_rank}")
         with _LOCAL_LOCK:
@@ -368,7 +347,6 @@ class _WorkerSide:
             name: group for group, spec in enumerate(kv_config.kv_cache_groups) for name in spec.layer_names
         }
         tensors = {name: tensor for name, tensor in kv_caches.items() if name in layer_groups}
-        self._device = next(iter(tensors.values())).device
         self.engine.register_layout(KVLayout(tensors, layer_groups, kv_config.num_blocks))
 
     def before_step(self, step: StepMetadata) -> None:
@@ -382,28 +360,18 @@ class _WorkerSide:
     def save(self, step: StepMetadata) -> None:
         self.apply(step)
         if any(delta.save_tokens for delta in step.requests):
-            self.engine.save(step.requests, self._device_fence())
-
-    def _device_fence(self) -> Any:
-        device = self._device
-        if device is None or device.type == "cpu":
-            return None  # CPU forward passes are synchronous
-        event = getattr(torch, device.type).Event()
-        event.record()
-        return event.synchronize
+            # after the forward: device tensors are copied on the current stream, so in order after it
+            self.engine.save(step.requests)
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self.engine.finish(finished_req_ids)
-        sending, recving = self.engine.take_finished()
-        failed = self.engine.take_failed_loads()
-        results = KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
-        if failed:
-            if self.num_groups == 1:
-                # one group: vLLM truncates at the first bad block and recomputes from there
-                self._invalid_blocks.update(*failed.values())
-            else:
-                # block ids are only unique per group: fail the whole request (recomputed from 0)
-                results.failed_recving = set(failed)
+        results = KVConnectorTransferResults(finished_recving=self.engine.take_finished_loads())
+        failures = self.engine.take_load_failures()
+        # one full-attention group: vLLM recomputes from the first bad block; any other model: the whole
+        # request (block ids are per group, and resuming inside a window needs blocks never loaded)
+        self._invalid_blocks |= failures.invalid_blocks
+        if failures.failed_requests:
+            results.failed_recving = failures.failed_requests
         return results
 
     def take_invalid_blocks(self) -> set[int]:
@@ -431,7 +399,6 @@ class _SchedulerSide:
         self._local_tokens: dict[str, int] = {}
         self._pending_loads: dict[str, Request] = {}
         self._loading: dict[str, set[int]] = {}  # request → blocks its pending load writes
-        self._block_tables: dict[str, tuple[list[int], ...]] = {}
         self._client: LookupClient | None = None
         self._own_backend: Backend | None = None
         self._local: _WorkerSide | None = None
@@ -495,9 +462,8 @@ class _SchedulerSide:
         return table
 
     def build_step(self, so: SchedulerOutput) -> StepMetadata:
-        step = StepMetadata()
         core = self.core
-        written: set[int] = set()
+        step = StepMetadata(reset_epoch=core.reset_epoch)
         for req_id in so.preempted_req_ids or ():
             core.preempt(req_id)
             step.preempted.append(req_id)
@@ -517,10 +483,7 @@ class _SchedulerSide:
             if delta is not None:
                 step.requests.append(delta)
                 if delta.load is not None:
-                    targets: set[int] = set()
-                    self._note_written(targets, table, delta.load.start_tokens)
-                    self._loading[req_id] = targets
-                    written |= targets
+                    self._loading[req_id] = self._load_targets(table, delta.load.start_tokens, delta.load.hit_tokens)
         self._pending_loads.clear()
         spec_tokens = so.scheduled_spec_decode_tokens
         for new in so.scheduled_new_reqs:
@@ -530,7 +493,6 @@ class _SchedulerSide:
             table = self._table(new.req_id, so) or new.block_ids
             self._add(
                 step,
-                written,
                 request,
                 table,
                 new.num_computed_tokens,
@@ -547,20 +509,17 @@ class _SchedulerSide:
                 continue
             self._add(
                 step,
-                written,
                 request,
                 table,
                 cached.num_computed_tokens[i],
                 so.num_scheduled_tokens.get(req_id, 0) - len(spec_tokens.get(req_id, ())),
                 req_id in cached.resumed_req_ids,
             )
-        step.written_blocks = sorted(written)
         return step
 
     def _add(
         self,
         step: StepMetadata,
-        written: set[int],
         request: Request,
         table: tuple[list[int], ...],
         computed_before: int,
@@ -578,13 +537,14 @@ class _SchedulerSide:
         )
         if delta is not None:
             step.requests.append(delta)
-        self._note_written(written, table, computed_before)
 
-    def _note_written(self, written: set[int], table: tuple[list[int], ...], from_tokens: int) -> None:
-        # the forward (or a load) writes from the first uncomputed token on; earlier blocks are only read
+    def _load_targets(self, table: tuple[list[int], ...], start_tokens: int, hit_tokens: int) -> set[int]:
+        """The blocks a load of [start, hit) may write: the invalid ones among them name its request."""
+        targets: set[int] = set()
         for blocks, block_size in zip(table, self._block_sizes):
-            written.update(blocks[from_tokens // block_size :])
-        written.discard(0)
+            targets.update(blocks[start_tokens // block_size : -(-hit_tokens // block_size)])
+        targets.discard(0)
+        return targets
 
     def absorb(self, output: KVConnectorOutput) -> None:
         invalid = output.invalid_block_ids or set()
@@ -597,24 +557,27 @@ class _SchedulerSide:
             self._loading.pop(req_id, None)
 
     def finished(self, request: Request) -> bool:
+        """True (vLLM keeps the blocks) only while a load still writes them: vLLM frees them once the
+        load is reported in finished_recving. Saves never hold blocks: they copy out within their step."""
         req_id = request.request_id
         self.requests.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
-        saving = self.core.finish(req_id)
-        loading = self._loading.pop(req_id, None) is not None
-        # a pending load still writes into the blocks: vLLM frees them when it reports finished_recving
-        return saving or loading
+        self.core.finish(req_id)
+        return self._loading.pop(req_id, None) is not None
 
     def reset(self) -> bool:
-        self.core.forget_lookups()
+        """Empty the pool now; every worker drops the saves it took before (see WorkerEngine.reset):
+        at once when this process holds the worker, else at the worker's next step."""
+        self.core.reset()
+        epoch = self.core.reset_epoch
         try:
             if self._own_backend is not None:
                 self._own_backend.clear()
             elif self._local is not None:
-                self._local.backend.clear()
+                return self._local.engine.reset(epoch) >= 0
             elif self._client is not None:
-                return self._client.clear() >= 0
+                return self._client.reset(epoch) >= 0
             return True
         except Exception:
             log.exception("could not empty the pool")

@@ -84,12 +84,11 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("chunks_save_failed", "chunks_put_failed", "Chunks whose store failed (pool full or backend error)."),
     MetricSpec("chunks_examined", "chunks_examined", "Chunks the store path examined (only new chunks)."),
-    MetricSpec("save_jobs_dropped", "save_jobs_dropped", "Save jobs dropped (pool pressure, full queue, cancelled)."),
+    MetricSpec("save_jobs_dropped", "save_jobs_dropped", "Save batches dropped (pool full, save buffer full, reset)."),
     MetricSpec("chunks_loaded", "chunks_loaded", "KV chunks loaded from the pool into engine blocks."),
     MetricSpec("bytes_loaded", "bytes_loaded", "Bytes of KV loaded from the pool."),
     MetricSpec("chunks_load_failed", "chunks_load_failed", "Chunks whose load failed (recomputed by the engine)."),
-    MetricSpec("fence_waits", "fence_waits", "Engine steps that waited for a save still reading a block."),
-    MetricSpec("fence_wait_seconds", "fence_wait_s", "Seconds engine steps spent waiting on the write fence."),
+    MetricSpec("bytes_captured", "bytes_captured", "Bytes copied out of engine blocks in the step, for async puts."),
     MetricSpec("pressure_events", "pressure_events", "Times the pool reported no room (saves paused)."),
 )
 BACKEND_COUNTERS: tuple[MetricSpec, ...] = (

@@ -9,6 +9,8 @@ backend can load. The configs follow ``shared/reference/vllm-cpu-testing.md`` §
 * ``gemma2`` -- ``Gemma2ForCausalLM``; sliding/full attention alternating, ``sliding_window=64``.
 * ``gemma3`` -- ``Gemma3ForCausalLM`` (``Gemma3TextConfig``), ``sliding_window_pattern=2``
   (layers 0, 2 sliding; 1, 3 full), ``sliding_window=64``.
+* ``mistral`` -- ``MistralForCausalLM`` with ``sliding_window=64`` on every layer: one
+  sliding-window group, whose out-of-window blocks vLLM frees (null blocks in the table).
 
 Gemma models tie the embeddings (vLLM has no ``lm_head`` for them otherwise) and keep the 0.02
 init, at which they are context-sensitive (they collapse at 0.1). ``head_dim`` is 64: the CPU
@@ -30,7 +32,7 @@ from typing import Any
 
 __all__ = ["MODEL_KINDS", "default_model_dir", "is_complete_model", "make_tiny_model", "model_config"]
 
-MODEL_KINDS = ("llama", "gemma2", "gemma3", "llama-demo")
+MODEL_KINDS = ("llama", "gemma2", "gemma3", "mistral", "llama-demo")
 
 # Bumped whenever the generated weights/config change, so cached models are rebuilt.
 _FORMAT_VERSION = 1
@@ -74,6 +76,13 @@ def model_config(kind: str) -> tuple[str, dict[str, Any]]:
         return "Gemma2Config", {**_GEMMA}
     if kind == "gemma3":
         return "Gemma3TextConfig", {**_GEMMA, "sliding_window_pattern": 2}
+    if kind == "mistral":
+        return "MistralConfig", {
+            **_COMMON,
+            "sliding_window": 64,
+            "initializer_range": 0.1,
+            "tie_word_embeddings": False,
+        }
     if kind == "llama-demo":
         # larger, so prefill costs enough time for the demo's TTFT to show what a pool hit saves
         return "LlamaConfig", {
@@ -157,6 +166,7 @@ def _write_checkpoint(kind: str, cfg_kwargs: dict[str, Any], out: Path, seed: in
         "llama-demo": transformers.LlamaForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
     }[kind]
     torch.manual_seed(seed)
     model: Any = model_cls(config)

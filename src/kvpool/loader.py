@@ -1,0 +1,162 @@
+"""Loads: pool chunks into the blocks the engine allocated for a hit, in the caller or on a thread.
+
+A load writes only blocks the engine holds for the loading request until the load is reported
+finished (vLLM keeps a request's blocks while it waits for remote KV, and frees an aborted one's
+only once `finished_recving` names it). Every chunk that did not arrive is reported failed, in a
+`finally`, so the engine never waits forever and never computes on a block nobody wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvpool.backends.base import Backend, Status
+from kvpool.chunks import ChunkRef
+from kvpool.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvpool.worker import WorkerStats
+
+log = logging.getLogger("kvpool.loader")
+
+LoadDone = Callable[[str, list[ChunkRef]], None]  # (request, chunks that failed)
+
+
+class Loader:
+    def __init__(
+        self,
+        backend: Backend,
+        layout: Callable[[], KVLayout | None],
+        stats: WorkerStats,
+        batch_chunks: int,
+        *,
+        sync: bool,
+        on_done: LoadDone,
+    ) -> None:
+        self.backend = backend
+        self._layout = layout
+        self.stats = stats
+        self.batch_chunks = batch_chunks
+        self.sync = sync
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._finished: set[str] = set()
+        self._failed: dict[str, list[ChunkRef]] = {}
+        self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if not sync:
+            self._thread = threading.Thread(target=self._run, name="kvpool-loader", daemon=True)
+            self._thread.start()
+
+    def start(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> None:
+        """Load `items`; `missing` (chunks without a key) fail at once."""
+        with self._lock:
+            self._pending += 1
+        self.stats.loads += 1
+        if self.sync:
+            self._execute(req_id, items, missing)
+        else:
+            self._queue.put((req_id, items, missing))
+
+    def _run(self) -> None:
+        while True:
+            entry = self._queue.get()
+            if entry is None:
+                return
+            self._execute(*entry)
+
+    def _execute(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> None:
+        failed: list[ChunkRef] = list(items)
+        try:
+            failed = self._load(items)
+        except Exception:
+            log.exception("load of request %s failed; its blocks will be recomputed", req_id)
+        finally:
+            failed += missing
+            self.stats.chunks_load_failed += len(failed)
+            try:
+                self._on_done(req_id, failed)
+            finally:
+                with self._idle:
+                    if failed:
+                        self._failed.setdefault(req_id, []).extend(failed)
+                    self._finished.add(req_id)
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _load(self, items: list[ChunkRef]) -> list[ChunkRef]:
+        layout = self._layout()
+        if layout is None:
+            raise RuntimeError("load before register_layout: the engine's KV memory is unknown")
+        failed: list[ChunkRef] = []
+        for offset in range(0, len(items), self.batch_chunks):
+            part = items[offset : offset + self.batch_chunks]
+            if not self.backend.healthy():
+                return failed + items[offset:]
+            try:
+                results = self._get(layout, part)
+            except Exception:
+                # this batch and the ones not tried are unloaded; earlier batches did load
+                log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
+                return failed + items[offset:]
+            corrupt: list[str] = []
+            for item, result in zip(part, results):
+                if result is Status.OK:
+                    self.stats.chunks_loaded += 1
+                    self.stats.bytes_loaded += layout.chunk_nbytes(item.group)
+                else:
+                    failed.append(item)
+                    if result is Status.SIZE_MISMATCH:
+                        corrupt.append(item.key)
+            if corrupt:
+                # a chunk of the wrong size can never load: drop it so lookups stop offering it
+                log.warning("removing %d pool chunks whose size does not match this engine's blocks", len(corrupt))
+                self.backend.remove(corrupt)
+        return failed
+
+    def _get(self, layout: KVLayout, part: list[ChunkRef]) -> list[Status]:
+        """Read one batch into its blocks, one backend call per KV cache group."""
+        results = [Status.ERROR] * len(part)
+        by_group: dict[int, list[int]] = {}
+        for position, item in enumerate(part):
+            by_group.setdefault(item.group, []).append(position)
+        for group, positions in by_group.items():
+            block_ids = [part[p].block_id for p in positions]
+            rows = layout.load_rows(group, block_ids)
+            statuses = self.backend.get_into([part[p].key for p in positions], rows)
+            layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
+            for position, status in zip(positions, statuses):
+                results[position] = status
+        return results
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            finished, self._finished = self._finished, set()
+        return finished
+
+    def take_failed(self) -> dict[str, list[ChunkRef]]:
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
+    def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(min(remaining, 0.05))
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout_s)

@@ -1,0 +1,156 @@
+"""What both connector roles derive from vLLM's own config objects: kinds, keys, TP placement.
+Real vLLM specs and configs, no engine."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.config import KVPoolConfig
+from kvpool.errors import LayoutError
+from kvpool.integrations.vllm import group_spec, plan_model, spec_facts, weights_digest
+from kvpool.masks import FullAttention, SlidingWindow
+from kvpool.specs import attention_kind
+
+vllm_cache = pytest.importorskip("vllm.v1.kv_cache_interface")
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager  # noqa: E402
+
+ATTENTION = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+
+
+def kind_of(spec: Any) -> Any:
+    return attention_kind(spec_facts(group_spec(spec)))
+
+
+def test_vllm_specs_map_to_kinds_or_are_refused_by_name() -> None:
+    assert kind_of(vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION)) == FullAttention(64)
+    assert kind_of(vllm_cache.MLAAttentionSpec(block_size=64, **ATTENTION)) == FullAttention(64)
+    swa = vllm_cache.SlidingWindowSpec(block_size=32, sliding_window=64, **ATTENTION)
+    assert kind_of(swa) == SlidingWindow(32, 64)
+    refused = [
+        vllm_cache.RSWASpec(block_size=64, rswa_window=128, **ATTENTION),
+        vllm_cache.FullAttentionSpec(block_size=64, non_causal=True, **ATTENTION),
+        vllm_cache.MambaSpec(block_size=64, shapes=((2, 4),), dtypes=(torch.float32,)),
+        vllm_cache.CrossAttentionSpec(block_size=64, **ATTENTION),
+    ]
+    for spec in refused:
+        with pytest.raises(LayoutError, match=type(spec).__name__):
+            kind_of(spec)
+
+
+@pytest.mark.parametrize("extra", [0, 31, 64])
+def test_extra_retained_blocks_are_what_vllm_keeps(extra: int) -> None:
+    spec = vllm_cache.SlidingWindowSpec(block_size=32, sliding_window=64, extra_retained_tokens=extra, **ATTENTION)
+    kind = kind_of(spec)
+    manager = SimpleNamespace(sliding_window=64, extra_retained_tokens=extra)
+    for hit in range(32, 1024, 32):
+        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, hit)  # type: ignore[arg-type]
+        assert kind.required(hit) == range(skipped // 32, hit // 32)
+
+
+@pytest.fixture(scope="module")
+def vllm_config(model_dir: Any) -> Any:
+    return engine_config(model_dir("llama"))
+
+
+def engine_config(model: Any, **extra: Any) -> Any:
+    return EngineArgs(
+        model=str(model), skip_tokenizer_init=True, block_size=64, kv_cache_memory_bytes=1 << 27, **extra
+    ).create_engine_config()
+
+
+def kv_cache_config(spec: Any, layers: list[str]) -> Any:
+    return vllm_cache.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[vllm_cache.KVCacheGroupSpec(layers, spec)],
+    )
+
+
+def key_prefixes(plan: Any) -> list[list[str]]:
+    return [[space.prefix for space in spaces] for spaces in plan.lookup_namespaces()]
+
+
+def test_both_roles_derive_the_same_keys_for_layers_of_different_sizes(vllm_config: Any) -> None:
+    """A group whose layers differ in head size is a UniformTypeKVCacheSpecs on the workers, but vLLM
+    hands the scheduler only its first layer's spec: lookups must still use the keys saves write."""
+    layers = {
+        "model.layers.0.self_attn.attn": vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION),
+        "model.layers.1.self_attn.attn": vllm_cache.FullAttentionSpec(
+            block_size=64, num_kv_heads=2, head_size=128, dtype=torch.bfloat16
+        ),
+    }
+    uniform = vllm_cache.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
+    worker_config = kv_cache_config(uniform, list(layers))
+    scheduler_config = generate_scheduler_kv_cache_config([copy.deepcopy(worker_config)])
+    assert type(scheduler_config.kv_cache_groups[0].kv_cache_spec).__name__ == "FullAttentionSpec"
+    config = KVPoolConfig()
+    worker = plan_model(vllm_config, worker_config, config)
+    scheduler = plan_model(vllm_config, scheduler_config, config)
+    assert key_prefixes(worker) == key_prefixes(scheduler)
+    assert [p.keys.prefix for p in worker.placements()] == [spaces[0] for spaces in key_prefixes(scheduler)]
+
+
+def test_a_group_mixing_attention_kinds_is_refused(vllm_config: Any) -> None:
+    layers = {
+        "a": vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION),
+        "b": vllm_cache.SlidingWindowSpec(block_size=64, sliding_window=64, **ATTENTION),
+    }
+    spec = vllm_cache.UniformTypeKVCacheSpecs(block_size=64, kv_cache_specs=layers)
+    with pytest.raises(LayoutError, match="mixes attention kinds"):
+        plan_model(vllm_config, kv_cache_config(spec, list(layers)), KVPoolConfig())
+
+
+def test_keys_name_the_weights_not_only_the_path(vllm_config: Any, model_dir: Any) -> None:
+    spec = vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION)
+    base = key_prefixes(plan_model(vllm_config, kv_cache_config(spec, ["x"]), KVPoolConfig()))
+    overridden = engine_config(model_dir("llama"), hf_overrides={"rope_theta": 1234.0})
+    assert key_prefixes(plan_model(overridden, kv_cache_config(spec, ["x"]), KVPoolConfig())) != base
+    # what an engine config can change without touching the path
+    digest = weights_digest(vllm_config)
+    for change in (
+        {"revision": "v2"},
+        {"code_revision": "v2"},
+        {"quantization": "fp8"},
+        {"dtype": torch.float16},
+    ):
+        model = copy.copy(vllm_config.model_config)
+        for key, value in change.items():
+            object.__setattr__(model, key, value)
+        assert weights_digest(SimpleNamespace(**{**vars_of(vllm_config), "model_config": model})) != digest, change
+    dummy = SimpleNamespace(**{**vars_of(vllm_config), "load_config": SimpleNamespace(load_format="dummy")})
+    reseeded = copy.copy(vllm_config.model_config)
+    object.__setattr__(reseeded, "seed", 1234)
+    assert weights_digest(dummy) != weights_digest(SimpleNamespace(**{**vars_of(dummy), "model_config": reseeded}))
+
+
+def vars_of(config: Any) -> dict[str, Any]:
+    return {
+        "model_config": config.model_config,
+        "load_config": config.load_config,
+        "cache_config": config.cache_config,
+    }
+
+
+def test_tp_placement_follows_the_replica_count_vllm_publishes(vllm_config: Any) -> None:
+    """kv_tp_replicas consecutive TP ranks hold identical KV: one shard, puts strided between them."""
+    spec = vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION)
+    config = copy.deepcopy(vllm_config)
+    config.parallel_config.tensor_parallel_size = 4
+    plans = []
+    for rank in range(4):
+        config.parallel_config.rank = rank
+        kv_config = kv_cache_config(spec, ["x"])
+        kv_config.kv_tp_replicas = 2
+        plans.append(plan_model(config, kv_config, KVPoolConfig()))
+    assert [plan.shard for plan in plans] == [0, 0, 1, 1]
+    assert [plan.placements()[0].put_step_rank for plan in plans] == [0, 1, 0, 1]
+    assert len(plans[0].lookup_namespaces()[0]) == 2
+    assert plans[0].placements()[0].keys.prefix == plans[1].placements()[0].keys.prefix
+    assert plans[0].placements()[0].keys.prefix != plans[2].placements()[0].keys.prefix

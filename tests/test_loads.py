@@ -1,0 +1,227 @@
+"""WorkerEngine loads: the stored bytes land in the hit's blocks; every chunk that does not arrive is
+reported in the form the engine can recompute from; the marks drop to what is really stored."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from kvpool.backends.base import Status, Value
+from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
+from kvpool.metadata import LoadSpec, RequestDelta
+from kvpool.worker import WorkerConfig, WorkerEngine
+from worker_fakes import FakeModel, RecordingBackend, simple, start
+
+
+def saved_prefix(
+    closing: list[WorkerEngine],
+    kinds: Sequence[AttentionKind] | None = None,
+    tokens: int = 128,
+    config: WorkerConfig | None = None,
+) -> tuple[FakeModel, RecordingBackend, WorkerEngine, list[bytes], dict[str, bytes]]:
+    model, backend, engine = simple(closing, config=config, kinds=kinds)
+    hashes = model.hashes("prefix", tokens)
+    tables = model.tables(tokens)
+    expected = model.fill("prefix", tables, hashes)
+    start(engine, "writer", hashes, tables)
+    engine.save_request("writer", tokens)
+    assert engine.drain(5)
+    engine.finish(["writer"])
+    return model, backend, engine, hashes, expected
+
+
+def failed_blocks(engine: WorkerEngine) -> set[int]:
+    """The blocks to report invalid (one full-attention group: the engine recomputes from the first)."""
+    failures = engine.take_load_failures()
+    assert failures.failed_requests == set()
+    return failures.invalid_blocks
+
+
+def load_request(
+    engine: WorkerEngine,
+    model: FakeModel,
+    req: str,
+    hashes: list[bytes],
+    start_tokens: int,
+    hit: int,
+    tables: tuple[list[int], ...] | None = None,
+) -> tuple[list[int], ...]:
+    tables = tables or model.tables(hit + 16)
+    engine.apply(
+        [
+            RequestDelta(
+                req,
+                new_hashes=hashes,
+                new_blocks=tables,
+                num_prompt_tokens=hit + 16,
+                stored_tokens=hit,
+                load=LoadSpec(start_tokens, hit),
+            )
+        ]
+    )
+    assert engine.drain(5)
+    return tables
+
+
+def test_load_fills_blocks_with_stored_bytes(closing: list[WorkerEngine]) -> None:
+    model, _, engine, hashes, expected = saved_prefix(closing)
+    tables = load_request(engine, model, "reader", hashes, 0, 128)
+    assert failed_blocks(engine) == set()
+    assert engine.take_finished_loads() == {"reader"}
+    for chunk in range(8):
+        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
+    assert model.read(0, tables[0][8]) == bytes(16)  # beyond the hit: untouched
+    assert engine.stats.chunks_loaded == 8
+
+
+def test_load_skips_the_locally_cached_prefix(closing: list[WorkerEngine]) -> None:
+    model, _, engine, hashes, expected = saved_prefix(closing)
+    tables = load_request(engine, model, "reader", hashes, 48, 96)
+    for chunk in range(6):
+        value = model.read(0, tables[0][chunk])
+        assert value == (expected[model.key(0, hashes, chunk)] if chunk >= 3 else bytes(16))
+    assert failed_blocks(engine) == set()
+
+
+def test_load_of_a_missing_chunk_reports_its_block(closing: list[WorkerEngine]) -> None:
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    backend.remove([model.key(0, hashes, 2)])
+    tables = load_request(engine, model, "reader", hashes, 0, 128)
+    assert failed_blocks(engine) == {tables[0][2]}
+    assert engine.take_finished_loads() == {"reader"}
+    assert failed_blocks(engine) == set()
+
+
+def test_load_with_a_wrong_stored_size_reports_its_block(closing: list[WorkerEngine]) -> None:
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    key = model.key(0, hashes, 5)
+    backend.remove([key])
+    backend.inner.put([key], [[np.zeros(3, dtype=np.uint8)]])
+    tables = load_request(engine, model, "reader", hashes, 0, 128)
+    assert failed_blocks(engine) == {tables[0][5]}
+    assert engine.take_finished_loads() == {"reader"}
+
+
+def test_load_backend_exception_reports_exactly_the_unloaded_blocks(closing: list[WorkerEngine]) -> None:
+    model, backend, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(put_batch_chunks=2))
+    backend.get_raises_on = {2}  # the second batch (chunks 2, 3) raises; later batches are not tried
+    tables = load_request(engine, model, "reader", hashes, 0, 128)
+    assert failed_blocks(engine) == set(tables[0][2:8])
+    assert engine.take_finished_loads() == {"reader"}
+    for chunk in (0, 1):
+        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
+
+
+def test_load_from_an_unhealthy_backend_fails_every_block(closing: list[WorkerEngine]) -> None:
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    backend.is_healthy = False
+    tables = load_request(engine, model, "reader", hashes, 32, 128)
+    assert failed_blocks(engine) == set(tables[0][2:8])
+    assert engine.take_finished_loads() == {"reader"}
+
+
+def test_load_without_hashes_fails_the_uncovered_blocks(closing: list[WorkerEngine]) -> None:
+    model, _, engine, hashes, _ = saved_prefix(closing)
+    tables = load_request(engine, model, "reader", hashes[:5], 32, 128)
+    assert failed_blocks(engine) == set(tables[0][5:8])
+    assert engine.take_finished_loads() == {"reader"}
+    # fewer hashes than the local prefix: the locally computed blocks are not reported
+    tables = load_request(engine, model, "reader2", hashes[:1], 32, 128)
+    assert failed_blocks(engine) == set(tables[0][2:8])
+
+
+def test_hybrid_load_uses_the_load_mask_and_skips_null_blocks(closing: list[WorkerEngine]) -> None:
+    kinds = [FullAttention(32), SlidingWindow(16, 17)]
+    model, backend, engine, hashes, expected = saved_prefix(closing, kinds=kinds, tokens=128)
+    tables = model.tables(160)
+    tables[1][:6] = [0] * 6  # window blocks outside the window are null in the engine's table
+    backend.remove([model.key(1, hashes, 7)])  # the one window chunk a hit at 128 needs
+    tables = load_request(engine, model, "reader", hashes, 0, 128, tables)
+    assert engine.stats.chunks_load_failed == 1  # only the removed window chunk
+    # block ids are per group: the whole request is recomputed
+    assert engine.take_load_failures().failed_requests == {"reader"}
+    for chunk in range(4):
+        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
+    assert model.read(1, tables[1][6]) == bytes(16)  # not required by a hit at 128: not loaded
+    assert engine.take_finished_loads() == {"reader"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "hit", "resumable"),
+    [
+        (FullAttention(16), 256, True),
+        (SlidingWindow(16, 64), 256, False),
+        (ChunkedLocal(16, 64), 240, False),  # a hit at 240 needs the local chunk's blocks 12-14
+    ],
+)
+def test_a_failed_chunk_is_recomputed_from_where_every_earlier_block_is_real(
+    closing: list[WorkerEngine], kind: AttentionKind, hit: int, resumable: bool
+) -> None:
+    """The issue's worked case: window 64, block 16, a hit of 256 tokens, chunk 14 missing at load time.
+    Resuming at token 224 needs blocks 10-13, but 10 and 11 were null at allocation and never loaded.
+    Only a model that keeps every block may resume at the failed chunk; any other recomputes it all."""
+    model, backend, engine, hashes, _ = saved_prefix(closing, kinds=[kind], tokens=256)
+    tables = model.tables(272)
+    first_live = kind.first_live_chunk(hit)
+    tables[0][:first_live] = [0] * first_live  # what vLLM allocates for the hit: null below the window
+    backend.remove([model.key(0, hashes, 14)])
+    tables = load_request(engine, model, "reader", hashes, 0, hit, tables)
+    failures = engine.take_load_failures()
+    if resumable:
+        assert failures == type(failures)({tables[0][14]}, set())
+    else:
+        assert failures == type(failures)(set(), {"reader"})
+    assert engine.take_finished_loads() == {"reader"}
+
+
+def test_a_failed_load_lowers_the_stored_mark(closing: list[WorkerEngine]) -> None:
+    """The request starts believing the pool holds its hit; what failed to load is not there, so its
+    next save must cover it again (and skip what did arrive)."""
+    model, backend, engine, hashes, _ = saved_prefix(closing, tokens=128)
+    backend.remove([model.key(0, hashes, c) for c in (5, 6)])
+    tables = load_request(engine, model, "reader", hashes, 0, 128)
+    assert engine.stored_tokens("reader") == 80
+    model.fill("reader", tables, hashes)  # the engine recomputes the failed chunks
+    examined = len(backend.exists_keys)
+    engine.save_request("reader", 128, computed_before=80)
+    assert engine.drain(5)
+    assert backend.exists_keys[examined:] == [model.key(0, hashes, c) for c in (5, 6, 7)]
+    assert backend.inner.exists([model.key(0, hashes, c) for c in (5, 6)]) == [True, True]
+    assert engine.stored_tokens("reader") == 128
+
+
+def test_every_load_is_reported_finished_once(closing: list[WorkerEngine]) -> None:
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    gate = threading.Event()
+    original = backend.get_into
+
+    def slow_get(keys: Sequence[str], dests: Value) -> list[Status]:
+        assert gate.wait(5)
+        return original(keys, dests)
+
+    backend.get_into = slow_get  # type: ignore[method-assign]
+    for req in ("a", "b"):
+        delta = RequestDelta(req, new_hashes=hashes, new_blocks=model.tables(144), num_prompt_tokens=144)
+        delta.load = LoadSpec(0, 128)
+        engine.apply([delta])
+    assert engine.take_finished_loads() == set()  # still loading
+    gate.set()
+    assert engine.drain(5)
+    assert engine.take_finished_loads() == {"a", "b"}
+    assert engine.take_finished_loads() == set()
+
+
+def test_sync_loads_finish_inside_apply(closing: list[WorkerEngine]) -> None:
+    model, _, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(sync_loads=True))
+    engine.close()  # no loader thread: the load must run in the caller
+    tables = model.tables(144)
+    engine.apply(
+        [RequestDelta("reader", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=144, load=LoadSpec(0, 128))]
+    )
+    assert engine.take_finished_loads() == {"reader"}
+    assert failed_blocks(engine) == set()
+    for chunk in range(8):
+        assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
