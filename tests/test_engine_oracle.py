@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,8 +30,9 @@ from kvpool.keys import KeySpace, LayoutFingerprint
 from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
 from kvpool.metadata import RequestDelta, StepMetadata
+from kvpool.plan import GroupPlacement
 from kvpool.scheduler import SchedulerConfig, SchedulerEngine
-from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerEngine
 
 B = 16  # every group's block size and the hash block size
 LAYERS = 2
@@ -69,17 +70,27 @@ class Req:
 
 
 class FlakyPool(MemoryBackend):
-    """The embedded pool, with gets that can be told to fail and puts that can lag behind the engine."""
+    """The embedded pool, with gets that can be told to fail. The worker's own threads (sender, loader)
+    wait at a gate the engine opens at fixed points of a step: they lag behind the engine as far as
+    they can, yet every run of a test case sees the same pool, so hypothesis can replay it."""
 
     fail_gets = 0
-    put_delay_s = 0.0
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.gate = threading.Event()
+        self.gated_threads: set[str] = set()  # names of the threads that wait at the gate
+
+    def _wait(self) -> None:
+        if threading.current_thread().name in self.gated_threads:
+            assert self.gate.wait(10), "the engine never let the worker's thread through"
 
     def put(self, keys: Sequence[str], values: Values) -> list[Status]:
-        if self.put_delay_s:
-            time.sleep(self.put_delay_s)
+        self._wait()
         return super().put(keys, values)
 
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
+        self._wait()
         if self.fail_gets:
             self.fail_gets -= 1
             raise ConnectionError("scripted get failure")
@@ -110,8 +121,7 @@ class EngineOracle(RuleBasedStateMachine):
         }
         layout = KVLayout(self.tensors, {name: int(name[1 : name.index(".")]) for name in self.tensors}, NUM_BLOCKS)
         self.pool = FlakyPool(LAYERS * ROW * 48)  # smaller than the engine: the pool evicts
-        if not sync_saves:
-            self.pool.put_delay_s = 0.001  # the sender lags a step behind: blocks are reused meanwhile
+        self.pool.gated_threads = {"kvpool-sender", "kvpool-loader"}
         self.scheduler = SchedulerEngine(
             self.coord, [[space] for space in self.spaces], self.pool.exists, SchedulerConfig(save_decode=True)
         )
@@ -123,6 +133,7 @@ class EngineOracle(RuleBasedStateMachine):
             WorkerConfig(put_batch_chunks=4, sync_saves=sync_saves, sync_loads=sync_loads),
         )
         self.version = 0  # the weights: a reset may change them
+        self.worker_epoch = 0  # the last reset the worker has seen
         self.key_names: dict[str, tuple[int, bytes]] = {}  # pool key -> (group, chunk hash)
         self.free = list(range(1, NUM_BLOCKS))
         self.requests: dict[str, Req] = {}
@@ -269,22 +280,34 @@ class EngineOracle(RuleBasedStateMachine):
         self.pool.fail_gets = fail_gets
         step = StepMetadata(deltas, self.preempted, self.scheduler.reset_epoch)
         self.preempted = []
+        if step.reset_epoch > self.worker_epoch:
+            # this step empties the pool after the puts in flight: a remote pool answers them meanwhile
+            self._let_through()
+            self.worker_epoch = step.reset_epoch
         if self.runner == "v2":  # Model Runner V2 zeroes new blocks before the connector's pre-forward hook
             self._zero(new_blocks)
             self.worker.handle_step(step)
         else:
             self.worker.handle_step(step)
             self._zero(new_blocks)
+        self._let_through()  # the previous step's async saves land only now: after their blocks' reuse
         self.worker.apply(deltas)
         for req, n in scheduled:
             self._forward(req, n)
         self.worker.save(deltas)
-        self.pool.fail_gets = 0
         for req, _ in scheduled:
             if req.known >= len(req.tokens) and req.computed >= req.known - 1:
                 self._finish(req)
+        self._let_through(loads_only=True)
+        self.pool.fail_gets = 0
         self._collect_loads()
         self._check_pool()
+
+    def _let_through(self, loads_only: bool = False) -> None:
+        self.pool.gate.set()
+        done = self.worker.loader.drain(10) if loads_only else self.worker.drain(10)
+        self.pool.gate.clear()
+        assert done
 
     def _delta(self, deltas: list[RequestDelta], req: Req, n: int) -> None:
         delta = self.scheduler.request_delta(
@@ -375,7 +398,7 @@ class EngineOracle(RuleBasedStateMachine):
             assert key in self.key_names, f"{key}: a key no request ever named"
             group, chunk_hash = self.key_names[key]
             value = np.zeros(LAYERS * ROW, dtype=np.uint8)
-            if self.pool.get_into([key], [[value]])[0] is not Status.OK:
+            if MemoryBackend.get_into(self.pool, [key], [[value]])[0] is not Status.OK:
                 continue  # evicted meanwhile
             want = b"".join(digest(group, layer, chunk_hash.hex(), self.version) for layer in range(LAYERS))
             assert value.tobytes() == want, f"{key}: the pool holds bytes its key does not name"
@@ -396,14 +419,16 @@ class EngineOracle(RuleBasedStateMachine):
             self._preempt(req)
         self.scheduler.reset()
         if self.reset_reaches_worker:
-            self.worker.reset(self.scheduler.reset_epoch)
+            # a put held at the gate is not waited for: it is removed once it lands
+            self.worker.reset(self.scheduler.reset_epoch, wait_s=0.01)
+            self.worker_epoch = self.scheduler.reset_epoch
         else:
             self.pool.clear()  # the worker learns it at its next step, before that step's loads
         self.version += 1
 
     @rule()
     def settle(self) -> None:
-        assert self.worker.drain(10)
+        self._let_through()
         self._collect_loads()
 
     @invariant()
@@ -418,6 +443,7 @@ class EngineOracle(RuleBasedStateMachine):
         if not hasattr(self, "worker"):
             return
         try:
+            self.pool.gated_threads = set()
             self.worker.handle_step(StepMetadata(reset_epoch=self.scheduler.reset_epoch))  # the next step
             assert self.worker.drain(10)
             self._collect_loads()

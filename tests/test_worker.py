@@ -19,7 +19,8 @@ from kvpool.errors import LayoutError
 from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow, StateSpace
 from kvpool.metadata import RequestDelta, StepMetadata
-from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+from kvpool.plan import GroupPlacement
+from kvpool.worker import WorkerConfig, WorkerEngine
 from worker_fakes import (
     BLOCK_BYTES,
     LAYERS,

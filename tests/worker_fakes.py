@@ -17,7 +17,8 @@ from kvpool.keys import KeySpace, LayoutFingerprint, chunk_hashes
 from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, FullAttention, MaskCoordinator
 from kvpool.metadata import RequestDelta
-from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+from kvpool.plan import GroupPlacement
+from kvpool.worker import WorkerConfig, WorkerEngine
 
 LAYERS = 2
 BLOCK_BYTES = 8  # per layer: chunk values are LAYERS * BLOCK_BYTES bytes

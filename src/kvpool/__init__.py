@@ -18,8 +18,9 @@ from kvpool.keys import ChunkHashes, KeySpace, LayoutFingerprint, chunk_hashes
 from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow, StateSpace
 from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
+from kvpool.plan import GroupPlacement
 from kvpool.scheduler import SchedulerConfig, SchedulerEngine
-from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerEngine
 
 __version__ = "0.1.0"
 

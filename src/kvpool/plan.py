@@ -10,7 +10,15 @@ from dataclasses import dataclass, replace
 
 from kvpool.keys import KeySpace, LayoutFingerprint
 from kvpool.masks import MaskCoordinator
-from kvpool.worker import GroupPlacement
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """This rank's share of a group: its key namespace and which chunks it writes."""
+
+    keys: KeySpace
+    put_step: int = 1
+    put_step_rank: int = 0
 
 
 @dataclass

@@ -19,33 +19,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from kvpool.backends.base import Backend, Rows, Status
+from kvpool.backends.base import Backend, Status
 from kvpool.chunks import ChunkRef, chunk_range
 from kvpool.errors import LayoutError
-from kvpool.keys import KeySpace, chunk_hashes
+from kvpool.keys import chunk_hashes
 from kvpool.layout import NULL_BLOCK_ID, KVLayout
 from kvpool.loader import Loader
 from kvpool.masks import MaskCoordinator
 from kvpool.metadata import RequestDelta, StepMetadata
+from kvpool.plan import GroupPlacement
+from kvpool.save_batch import SaveBatch, SaveRange
 from kvpool.sender import Sender
 
 log = logging.getLogger("kvpool.worker")
 
 RESET_WAIT_S = 10.0  # a reset waits this long for a put from before it (a remote pool bounds its calls)
-
-
-@dataclass(frozen=True)
-class GroupPlacement:
-    """This rank's share of a group: its key namespace and which chunks it writes."""
-
-    keys: KeySpace
-    put_step: int = 1
-    put_step_rank: int = 0
 
 
 @dataclass
@@ -95,27 +86,6 @@ class _RequestState:
     frozen: bool = False  # alive across a pool reset: its KV mixes old and new, never saved again
 
 
-@dataclass
-class _Range:
-    """One request's share of a save batch: `count` consecutive items of the batch."""
-
-    state: _RequestState
-    start: int
-    end: int
-    count: int
-
-
-@dataclass
-class _SaveBatch:
-    seq: int
-    epoch: int
-    ranges: list[_Range]
-    items: list[ChunkRef]
-    captured: dict[int, Rows] | None = None  # per group: host copies, rows in item order; None: engine memory
-    rows: list[int] = field(default_factory=list)  # per item: its row in captured[item.group]
-    nbytes: int = 0
-
-
 @dataclass(frozen=True)
 class LoadFailures:
     """What to tell the engine about failed loads: blocks to recompute from, or requests to redo."""
@@ -150,7 +120,7 @@ class WorkerEngine:
         self._epoch = 0
         self._putting_epoch: int | None = None  # epoch of the batch inside the backend's put, if any
         self._pressure = False
-        self._sender: Sender[_SaveBatch] = Sender(self._store, self._drop_batch, self.config.save_buffer_bytes)
+        self._sender: Sender[SaveBatch] = Sender(self._store, self._drop_batch, self.config.save_buffer_bytes)
         self.loader = Loader(
             backend,
             lambda: self.layout,
@@ -190,7 +160,8 @@ class WorkerEngine:
             self._store(batch)
             return
         try:
-            self._capture(batch)
+            batch.capture(self._layout())
+            self.stats.bytes_captured += batch.nbytes
         except Exception:
             log.exception("copying %d chunks out of the engine failed; they are not saved", len(batch.items))
             self._end_batch(batch, [Status.ERROR] * len(batch.items))
@@ -234,9 +205,9 @@ class WorkerEngine:
             state.computed_before = max(state.computed_before, delta.computed_before)
             return state
 
-    def _plan_batch(self, deltas: Iterable[RequestDelta]) -> _SaveBatch | None:
+    def _plan_batch(self, deltas: Iterable[RequestDelta]) -> SaveBatch | None:
         """Under the lock: the new chunks of every request in `deltas`, marks advanced past them."""
-        ranges: list[_Range] = []
+        ranges: list[SaveRange] = []
         items: list[ChunkRef] = []
         coord = self.coordinator
         for delta in deltas:
@@ -251,7 +222,7 @@ class WorkerEngine:
             if end <= state.planned_mark:
                 continue
             planned = self._plan(state, state.planned_mark, end)
-            ranges.append(_Range(state, state.planned_mark, end, len(planned)))
+            ranges.append(SaveRange(state, state.planned_mark, end, len(planned)))
             items.extend(planned)
             state.planned_mark = end
             state.in_flight += 1
@@ -259,7 +230,7 @@ class WorkerEngine:
             return None
         self._seq += 1
         self.stats.save_jobs += 1
-        return _SaveBatch(self._seq, self._epoch, ranges, items)
+        return SaveBatch(self._seq, self._epoch, ranges, items)
 
     def _plan(self, state: _RequestState, start: int, end: int) -> list[ChunkRef]:
         items: list[ChunkRef] = []
@@ -331,20 +302,7 @@ class WorkerEngine:
 
     # ---- storing a batch (the sender thread, or the engine thread with sync_saves) ------------
 
-    def _capture(self, batch: _SaveBatch) -> None:
-        """Copy the batch's blocks out of the engine into host memory the batch owns."""
-        layout = self._layout()
-        groups: dict[int, list[int]] = {}
-        batch.rows = []
-        for item in batch.items:
-            ids = groups.setdefault(item.group, [])
-            batch.rows.append(len(ids))
-            ids.append(item.block_id)
-        batch.captured = {group: layout.copy_rows(group, ids) for group, ids in groups.items()}
-        batch.nbytes = sum(layout.chunk_nbytes(group) * len(ids) for group, ids in groups.items())
-        self.stats.bytes_captured += batch.nbytes
-
-    def _store(self, batch: _SaveBatch) -> None:
+    def _store(self, batch: SaveBatch) -> None:
         results = [Status.ERROR] * len(batch.items)
         try:
             results = self._put_batch(batch)
@@ -352,13 +310,19 @@ class WorkerEngine:
             log.exception("save of %d chunks failed", len(batch.items))
         self._end_batch(batch, results)
 
-    def _put_batch(self, batch: _SaveBatch) -> list[Status]:
+    def _put_batch(self, batch: SaveBatch) -> list[Status]:
         with self._lock:
             if batch.epoch != self._epoch:
                 return [Status.ERROR] * len(batch.items)  # captured before a reset: never stored
             self._putting_epoch = batch.epoch
         try:
-            results = self._put_items(batch)
+            results = batch.put(
+                self.backend,
+                self._layout(),
+                check_exists=self.config.check_exists_before_put,
+                batch_chunks=self.config.put_batch_chunks,
+                stats=self.stats,
+            )
         finally:
             with self._lock:
                 self._putting_epoch = None
@@ -370,47 +334,11 @@ class WorkerEngine:
             return [Status.ERROR] * len(batch.items)
         return results
 
-    def _put_items(self, batch: _SaveBatch) -> list[Status]:
-        items = batch.items
-        results = [Status.OK] * len(items)
-        self.stats.chunks_examined += len(items)
-        todo = list(range(len(items)))
-        if todo and self.config.check_exists_before_put:
-            present = self.backend.exists([item.key for item in items])
-            self.stats.chunks_already_present += sum(present)
-            todo = [index for index, there in zip(todo, present) if not there]
-        size = self.config.put_batch_chunks
-        for offset in range(0, len(todo), size):
-            part = todo[offset : offset + size]
-            statuses = _per_group(items, part, lambda group, members: self._put(batch, group, members))
-            for index, status in zip(part, statuses):
-                results[index] = status
-            if any(status is not Status.OK for status in statuses):
-                for index in todo[offset + size :]:
-                    results[index] = Status.ERROR  # not tried: the range is retried as a whole
-                break
-        return results
-
-    def _put(self, batch: _SaveBatch, group: int, members: list[int]) -> list[Status]:
-        items = batch.items
-        keys = [items[index].key for index in members]
-        if batch.captured is None:
-            rows = self._layout().save_rows(group, [items[index].block_id for index in members])
-        else:
-            captured = batch.captured[group]
-            rows = Rows(captured.arrays, np.asarray([batch.rows[index] for index in members], dtype=np.int64))
-        statuses = self.backend.put(keys, rows)
-        ok = statuses.count(Status.OK)
-        self.stats.chunks_put += ok
-        self.stats.bytes_put += ok * self._layout().chunk_nbytes(group)
-        self.stats.chunks_put_failed += len(statuses) - ok
-        return statuses
-
-    def _drop_batch(self, batch: _SaveBatch) -> None:
+    def _drop_batch(self, batch: SaveBatch) -> None:
         self.stats.save_jobs_dropped += 1
         self._end_batch(batch, [Status.ERROR] * len(batch.items))
 
-    def _end_batch(self, batch: _SaveBatch, results: list[Status]) -> None:
+    def _end_batch(self, batch: SaveBatch, results: list[Status]) -> None:
         batch.captured = None  # the host copies are done with
         with self._lock:
             offset = 0
@@ -518,19 +446,3 @@ class WorkerEngine:
         self._sender.close(timeout_s)
         self.loader.close(timeout_s)
 
-
-def _per_group(
-    items: Sequence[ChunkRef], members: list[int], call: Callable[[int, list[int]], list[Status]]
-) -> list[Status]:
-    """`call` once per KV cache group with that group's members, in order; the statuses in member order."""
-    first = items[members[0]].group if members else 0
-    if all(items[index].group == first for index in members):
-        return call(first, members)  # one group: the common case
-    by_group: dict[int, list[int]] = {}
-    for position, index in enumerate(members):
-        by_group.setdefault(items[index].group, []).append(position)
-    results = [Status.ERROR] * len(members)
-    for group, positions in by_group.items():
-        for position, status in zip(positions, call(group, [members[p] for p in positions])):
-            results[position] = status
-    return results

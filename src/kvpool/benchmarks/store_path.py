@@ -34,7 +34,8 @@ from kvpool.keys import KeySpace, LayoutFingerprint, chunk_hashes
 from kvpool.layout import KVLayout
 from kvpool.masks import FullAttention, MaskCoordinator
 from kvpool.metadata import RequestDelta
-from kvpool.worker import GroupPlacement, WorkerConfig, WorkerEngine
+from kvpool.plan import GroupPlacement
+from kvpool.worker import WorkerConfig, WorkerEngine
 
 LAYERS = 2
 LAYER_BLOCK_BYTES = 256

@@ -1,0 +1,112 @@
+"""One engine step's save: the new chunks of every request that step, as one batch.
+
+A batch is captured out of the engine's blocks inside the step (`capture`: host copies the batch
+owns), or, for an in-process pool, put straight from them inside the step. `put` then moves it into
+the pool in as few backend calls as the pool allows: one existence check for the whole batch, and one
+put per KV-cache group and `batch_chunks` chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvpool.backends.base import Backend, Rows, Status
+from kvpool.chunks import ChunkRef
+from kvpool.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvpool.worker import WorkerStats
+
+
+@dataclass
+class SaveRange:
+    """One request's share of a batch: `count` consecutive items, covering tokens [start, end)."""
+
+    state: Any  # the worker's per-request state, whose marks the outcome moves
+    start: int
+    end: int
+    count: int
+
+
+@dataclass
+class SaveBatch:
+    seq: int
+    epoch: int  # pool resets before it was taken: a batch from an older epoch is never stored
+    ranges: list[SaveRange]
+    items: list[ChunkRef]
+    captured: dict[int, Rows] | None = None  # per group: host copies, rows in item order; None: engine memory
+    rows: list[int] = field(default_factory=list)  # per item: its row in captured[item.group]
+    nbytes: int = 0
+
+    def capture(self, layout: KVLayout) -> None:
+        """Copy the batch's blocks out of the engine into host memory the batch owns."""
+        groups: dict[int, list[int]] = {}
+        self.rows = []
+        for item in self.items:
+            ids = groups.setdefault(item.group, [])
+            self.rows.append(len(ids))
+            ids.append(item.block_id)
+        self.captured = {group: layout.copy_rows(group, ids) for group, ids in groups.items()}
+        self.nbytes = sum(layout.chunk_nbytes(group) * len(ids) for group, ids in groups.items())
+
+    def put(
+        self, backend: Backend, layout: KVLayout, *, check_exists: bool, batch_chunks: int, stats: WorkerStats
+    ) -> list[Status]:
+        """Store every item the pool does not hold; per item OK, or why not. A failed call leaves the
+        items after it untried (ERROR): the worker retries their ranges as a whole."""
+        items = self.items
+        results = [Status.OK] * len(items)
+        stats.chunks_examined += len(items)
+        todo = list(range(len(items)))
+        if todo and check_exists:
+            present = backend.exists([item.key for item in items])
+            stats.chunks_already_present += sum(present)
+            todo = [index for index, there in zip(todo, present) if not there]
+        for offset in range(0, len(todo), batch_chunks):
+            part = todo[offset : offset + batch_chunks]
+            statuses = per_group(items, part, lambda group, members: self._put(backend, layout, group, members, stats))
+            for index, status in zip(part, statuses):
+                results[index] = status
+            if any(status is not Status.OK for status in statuses):
+                for index in todo[offset + batch_chunks :]:
+                    results[index] = Status.ERROR
+                break
+        return results
+
+    def _put(
+        self, backend: Backend, layout: KVLayout, group: int, members: list[int], stats: WorkerStats
+    ) -> list[Status]:
+        items = self.items
+        keys = [items[index].key for index in members]
+        if self.captured is None:
+            rows = layout.save_rows(group, [items[index].block_id for index in members])
+        else:
+            captured = self.captured[group]
+            rows = Rows(captured.arrays, np.asarray([self.rows[index] for index in members], dtype=np.int64))
+        statuses = backend.put(keys, rows)
+        ok = statuses.count(Status.OK)
+        stats.chunks_put += ok
+        stats.bytes_put += ok * layout.chunk_nbytes(group)
+        stats.chunks_put_failed += len(statuses) - ok
+        return statuses
+
+
+def per_group(
+    items: Sequence[ChunkRef], members: list[int], call: Callable[[int, list[int]], list[Status]]
+) -> list[Status]:
+    """`call` once per KV cache group with that group's members, in order; the statuses in member order."""
+    first = items[members[0]].group if members else 0
+    if all(items[index].group == first for index in members):
+        return call(first, members)  # one group: the common case
+    by_group: dict[int, list[int]] = {}
+    for position, index in enumerate(members):
+        by_group.setdefault(items[index].group, []).append(position)
+    results = [Status.ERROR] * len(members)
+    for group, positions in by_group.items():
+        for position, status in zip(positions, call(group, [members[p] for p in positions])):
+            results[position] = status
+    return results
