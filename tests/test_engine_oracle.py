@@ -79,10 +79,10 @@ class FlakyPool(MemoryBackend):
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
         self.gate = threading.Event()
-        self.gated_threads: set[str] = set()  # names of the threads that wait at the gate
+        self.gated_threads: set[str] = set()  # name prefixes of the threads that wait at the gate
 
     def _wait(self) -> None:
-        if threading.current_thread().name in self.gated_threads:
+        if threading.current_thread().name.startswith(tuple(self.gated_threads)):
             assert self.gate.wait(10), "the engine never let the worker's thread through"
 
     def put(self, keys: Sequence[str], values: Values) -> list[Status]:
@@ -121,7 +121,7 @@ class EngineOracle(RuleBasedStateMachine):
         }
         layout = KVLayout(self.tensors, {name: int(name[1 : name.index(".")]) for name in self.tensors}, NUM_BLOCKS)
         self.pool = FlakyPool(LAYERS * ROW * 48)  # smaller than the engine: the pool evicts
-        self.pool.gated_threads = {"kvpool-sender", "kvpool-loader"}
+        self.pool.gated_threads = {"kvpool-sender", "kvpool-load"}
         self.scheduler = SchedulerEngine(
             self.coord, [[space] for space in self.spaces], self.pool.exists, SchedulerConfig(save_decode=True)
         )
@@ -444,6 +444,7 @@ class EngineOracle(RuleBasedStateMachine):
             return
         try:
             self.pool.gated_threads = set()
+            self.pool.gate.set()  # for a thread already waiting
             self.worker.handle_step(StepMetadata(reset_epoch=self.scheduler.reset_epoch))  # the next step
             assert self.worker.drain(10)
             self._collect_loads()

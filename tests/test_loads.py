@@ -4,6 +4,7 @@ reported in the form the engine can recompute from; the marks drop to what is re
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,7 +14,7 @@ from kvpool.backends.base import Status, Value
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
 from kvpool.metadata import LoadSpec, RequestDelta
 from kvpool.worker import WorkerConfig, WorkerEngine
-from worker_fakes import FakeModel, RecordingBackend, simple, start
+from worker_fakes import POISON, FakeModel, RecordingBackend, simple, start
 
 
 def saved_prefix(
@@ -225,3 +226,39 @@ def test_sync_loads_finish_inside_apply(closing: list[WorkerEngine]) -> None:
     assert failed_blocks(engine) == set()
     for chunk in range(8):
         assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
+
+
+def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[WorkerEngine]) -> None:
+    """A remote pool's read blocks (a stopped master); once the pool reports itself unhealthy (its breaker
+    tripped on the overrun) the load is reported failed at once, and when the read finally returns its
+    bytes land in the load's own buffer, never in the engine's blocks, which it may have reused."""
+    model, backend, engine, hashes, expected = saved_prefix(closing)
+    release = threading.Event()
+    entered = threading.Event()
+    original = backend.get_into
+
+    def hung_get(keys: Sequence[str], dests: Value) -> list[Status]:
+        entered.set()
+        assert release.wait(10)
+        return original(keys, dests)
+
+    backend.get_into = hung_get  # type: ignore[method-assign]
+    tables = model.tables(144)
+    delta = RequestDelta("reader", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=144)
+    delta.load = LoadSpec(0, 128)
+    engine.apply([delta])
+    assert entered.wait(5)
+    assert engine.take_finished_loads() == set()  # the pool still looks healthy: the load waits
+    backend.is_healthy = False
+    began = time.monotonic()
+    while not engine.take_finished_loads():
+        assert time.monotonic() - began < 2.0, "the load kept waiting on a pool that reported itself unhealthy"
+        time.sleep(0.01)
+    assert failed_blocks(engine) == set(tables[0][:8])
+    for block_id in tables[0][:8]:
+        model.poison(block_id)  # the engine recomputes into these blocks (or hands them to another request)
+    release.set()
+    assert engine.drain(5)
+    time.sleep(0.1)  # the abandoned read has returned by now
+    assert all(model.read(0, block_id) == bytes([POISON]) * 16 for block_id in tables[0][:8])
+    assert expected  # the pool did hold the chunks: only the hang failed the load

@@ -84,6 +84,20 @@ def bench_transfer(
     _emit(result, as_json, transfer.print_table)
 
 
+@bench_app.command("hang")
+def bench_hang(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    prompts: Annotated[int, typer.Option(help="prompts per pass", min=1)] = 8,
+    prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt", min=64)] = 512,
+    hung_passes: Annotated[int, typer.Option(help="passes while the master is stopped", min=1)] = 2,
+) -> None:
+    """Per-request latency while the Mooncake master is hung (SIGSTOP), next to no connector."""
+    from kvpool.benchmarks import hang
+
+    result = hang.run(prompts=prompts, prompt_tokens=prompt_tokens, hung_passes=hung_passes)
+    _emit(result, as_json, hang.print_table)
+
+
 @app.command()
 def master(
     rpc_port: Annotated[int, typer.Option(help="RPC port on 127.0.0.1")] = 50051,

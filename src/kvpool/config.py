@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpool.backends.base import BACKEND_NAMES
 from kvpool.errors import ConfigError
+from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S
 
 SIZE_UNITS = {
     "": 1,
@@ -58,7 +59,7 @@ class KVPoolConfig:
     tenant: str = ""
     model_id: str = ""
     lookup_async: bool | None = None  # None: async when lookups leave the process
-    lookup_timeout_s: float = 5.0
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     check_exists_before_put: bool = True
     put_batch_chunks: int = 64
     save_buffer_bytes: int = 1 << 30

@@ -103,29 +103,42 @@ class KVLayout:
         ids = self._ids(group, block_ids)
         return Rows(tuple(np.take(view, ids, axis=0) for view in self._views[group]), np.arange(len(ids)))
 
-    def load_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
-        """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled."""
+    def load_rows(self, group: int, block_ids: Sequence[int], *, owned: bool = False) -> Rows:
+        """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled.
+        Host memory is filled in place unless `owned`: then (as always for device memory) a host buffer
+        the caller owns, so a read that never returns can never write the engine's blocks."""
         ids = self._ids(group, block_ids)
-        if not self.staged:
+        if not self.staged and not owned:
             return Rows(tuple(self._views[group]), ids)
         return Rows((np.empty((len(ids), self._block_bytes[group]), dtype=np.uint8),), np.arange(len(ids)))
 
     def commit_rows(self, group: int, block_ids: Sequence[int], rows: Rows, arrived: Sequence[bool]) -> None:
-        """Move the blocks that `arrived` from `load_rows`' host buffer into the engine's memory."""
-        if not self.staged:
-            return
-        import torch
-
+        """Move the blocks that `arrived` from a `load_rows` host buffer into the engine's memory."""
+        views = self._views[group]
+        if not self.staged and rows.arrays[0] is views[0]:
+            return  # filled in place
         keep = [index for index, ok in enumerate(arrived) if ok]
         if not keep:
             return
-        host = torch.from_numpy(rows.arrays[0][keep])
-        targets = torch.as_tensor([block_ids[index] for index in keep])
+        if not self.staged:
+            host = rows.arrays[0][keep]
+            targets = self._ids(group, [block_ids[index] for index in keep])
+            offset = 0
+            for view in views:
+                view[targets] = host[:, offset : offset + view.shape[1]]
+                offset += view.shape[1]
+            return
+        import torch
+
+        device_host = torch.from_numpy(rows.arrays[0][keep])
+        device_targets = torch.as_tensor([block_ids[index] for index in keep])
         offset = 0
-        for view in self._views[group]:
+        for view in views:
             width = view[0].numel() * view.element_size()
-            source = host[:, offset : offset + width].contiguous().view(view.dtype).reshape(len(keep), *view.shape[1:])
-            view[targets.to(view.device)] = source.to(view.device)
+            part = device_host[:, offset : offset + width].contiguous()
+            view[device_targets.to(view.device)] = part.view(view.dtype).reshape(len(keep), *view.shape[1:]).to(
+                view.device
+            )
             offset += width
 
     def _ids(self, group: int, block_ids: Sequence[int]) -> np.ndarray:

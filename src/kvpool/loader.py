@@ -4,6 +4,12 @@ A load writes only blocks the engine holds for the loading request until the loa
 finished (vLLM keeps a request's blocks while it waits for remote KV, and frees an aborted one's
 only once `finished_recving` names it). Every chunk that did not arrive is reported failed, in a
 `finally`, so the engine never waits forever and never computes on a block nobody wrote.
+
+A remote pool can hang (a stopped master answers nothing, for up to 30 s). So off the engine's
+thread a read goes into a host buffer the load owns, on a call thread, and the loader waits only
+while the pool calls itself healthy: once the call overruns its deadline the pool's breaker opens,
+the loader gives up and reports the chunks failed (the engine recomputes them), and the late read, if
+it ever returns, lands in that buffer, never in a block the engine has reused.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
-from kvpool.backends.base import Backend, Status
+from kvpool.backends.base import Backend, Rows, Status
 from kvpool.chunks import ChunkRef
 from kvpool.layout import KVLayout
 
@@ -25,6 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.loader")
 
 LoadDone = Callable[[str, list[ChunkRef]], None]  # (request, chunks that failed)
+HEALTH_POLL_S = 0.005  # how often a waiting load asks the pool whether its call is stuck
+
+
+class Abandoned(Exception):
+    """A read was given up: the pool stopped answering while it ran."""
 
 
 class Loader:
@@ -51,7 +64,9 @@ class Loader:
         self._failed: dict[str, list[ChunkRef]] = {}
         self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._calls: ThreadPoolExecutor | None = None
         if not sync:
+            self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvpool-load-call")
             self._thread = threading.Thread(target=self._run, name="kvpool-loader", daemon=True)
             self._thread.start()
 
@@ -62,6 +77,9 @@ class Loader:
         self.stats.loads += 1
         if self.sync:
             self._execute(req_id, items, missing)
+        elif not self.backend.healthy():
+            # fail now, in the engine's thread: never queue behind a call stuck in the pool's client
+            self._execute(req_id, [], items + missing)
         else:
             self._queue.put((req_id, items, missing))
 
@@ -102,6 +120,9 @@ class Loader:
                 return failed + items[offset:]
             try:
                 results = self._get(layout, part)
+            except Abandoned:
+                log.warning("the pool stopped answering a read of %d chunks; they will be recomputed", len(part))
+                return failed + items[offset:]
             except Exception:
                 # this batch and the ones not tried are unloaded; earlier batches did load
                 log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
@@ -129,12 +150,28 @@ class Loader:
             by_group.setdefault(item.group, []).append(position)
         for group, positions in by_group.items():
             block_ids = [part[p].block_id for p in positions]
-            rows = layout.load_rows(group, block_ids)
-            statuses = self.backend.get_into([part[p].key for p in positions], rows)
+            keys = [part[p].key for p in positions]
+            if self._calls is None:
+                rows = layout.load_rows(group, block_ids)
+                statuses = self.backend.get_into(keys, rows)
+            else:
+                rows = layout.load_rows(group, block_ids, owned=True)
+                statuses = self._bounded_get(keys, rows)
             layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
             for position, status in zip(positions, statuses):
                 results[position] = status
         return results
+
+    def _bounded_get(self, keys: list[str], rows: Rows) -> list[Status]:
+        """The read on a call thread; Abandoned once the pool reports itself unhealthy meanwhile."""
+        assert self._calls is not None
+        call = self._calls.submit(self.backend.get_into, keys, rows)
+        while True:
+            try:
+                return call.result(timeout=HEALTH_POLL_S)
+            except FutureTimeout:
+                if not self.backend.healthy():
+                    raise Abandoned from None
 
     def take_finished(self) -> set[str]:
         with self._lock:
@@ -160,3 +197,5 @@ class Loader:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout_s)
+        if self._calls is not None:
+            self._calls.shutdown(wait=False)  # a call stuck in a hung pool's client is left to it

@@ -159,6 +159,9 @@ class WorkerEngine:
         if self.config.sync_saves:
             self._store(batch)
             return
+        if not self.backend.healthy():
+            self._drop_batch(batch)  # copying out for a pool that refuses calls is wasted; re-planned later
+            return
         try:
             batch.capture(self._layout())
             self.stats.bytes_captured += batch.nbytes

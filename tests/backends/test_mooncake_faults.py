@@ -220,30 +220,46 @@ def test_dead_master_trips_the_breaker_and_a_restart_closes_it(
 
 
 @pytest.mark.mooncake
-def test_hung_master_holds_one_call_not_every_call(master: Any, client: Callable[..., MooncakeBackend]) -> None:
-    backend = client(master)
+def test_a_hung_master_costs_no_caller_more_than_one_deadline(
+    master: Any, client: Callable[..., MooncakeBackend]
+) -> None:
+    """SIGSTOP: the master's port stays open and nothing answers. The call in flight is the only one that
+    waits; once it overruns its deadline the breaker opens for everyone, and the probes - real round trips,
+    not TCP connects, which a stopped process still accepts - keep it open until the master answers."""
+    from kvpool.backends.mooncake import STALL_GRACE_S
+
+    backend = client(master, breaker_cooldown_s=0.3)
     assert backend.put(["hung"], [value(1)]) == [Status.OK]
     stuck_answers: list[list[bool]] = []
-    os.kill(master.pid, signal.SIGSTOP)  # the master accepts connections but answers nothing
+    os.kill(master.pid, signal.SIGSTOP)
     try:
         stuck = threading.Thread(target=lambda: stuck_answers.append(backend.exists(["hung"])))
         stuck.start()
-        time.sleep(1.5)  # past the stall guard's grace
+        time.sleep(STALL_GRACE_S + 0.2)  # past the call's deadline
         assert stuck.is_alive(), "an RPC to a stopped master should hang"
-        assert not backend.healthy()
-        for call, args, miss in (
-            (backend.exists, (["hung"],), [False]),
-            (backend.put, (["other"], [value(2)]), [Status.UNAVAILABLE]),
-            (backend.get_into, (["hung"], [value(3)]), [Status.UNAVAILABLE]),
-        ):
-            result, took = timed(call, *args)
-            assert result == miss and took < FAST_S
+        slowest = 0.0
+        hung_until = time.monotonic() + 2.0  # several cooldowns: probes run against the stopped master
+        while time.monotonic() < hung_until:
+            assert not backend.healthy(), "a probe of a stopped master closed the breaker"
+            for call, args, miss in (
+                (backend.exists, (["hung"],), [False]),
+                (backend.put, (["other"], [value(2)]), [Status.UNAVAILABLE]),
+                (backend.get_into, (["hung"], [value(3)]), [Status.UNAVAILABLE]),
+            ):
+                result, took = timed(call, *args)
+                assert result == miss
+                slowest = max(slowest, took)
+            time.sleep(0.05)
+        assert slowest < 0.05, f"a refused call took {slowest * 1000:.0f} ms"
     finally:
         os.kill(master.pid, signal.SIGCONT)
     stuck.join(timeout=40)
     assert not stuck.is_alive() and stuck_answers == [[True]], "the held call completes once the master resumes"
+    started = time.monotonic()
+    while not backend.healthy():
+        assert time.monotonic() - started < RECOVERY_S, "the breaker must close once the master answers probes"
+        time.sleep(0.05)
     assert backend.exists(["hung"]) == [True]
-    assert backend.healthy()
 
 
 OWNER_SCRIPT = textwrap.dedent(

@@ -8,6 +8,8 @@ Engines run in-process unless the test is about processes; every process started
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +47,7 @@ CHUNK_BYTES = 4 * 2 * 64 * 128 * 2  # tiny llama, block 64: 4 layers x [2 heads,
 SHARED = random_prompts(2, PROMPT_TOKENS, seed=41)
 DEAD_OWNER = random_prompts(2, PROMPT_TOKENS, seed=42)
 OUTAGE = [random_prompts(3, PROMPT_TOKENS, seed=43 + i) for i in range(4)]
+HUNG = random_prompts(6, 512, seed=60)
 BATCH_BOUND_S = 15.0  # see test_master_killed_mid_workload
 # 9 chunks a prompt: a burst of 252 chunks (31.5 MiB), then batches of 72 (9 MiB)
 PRESSURE = [random_prompts(count, 576, seed=50 + i) for i, count in enumerate((28, 8, 8, 8))]
@@ -58,7 +61,7 @@ def llama(model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="module")
 def baseline(llama: Path) -> dict[str, list[GreedyResult]]:
     """No-connector greedy outputs of every prompt batch used below, from one engine."""
-    batches = {"shared": SHARED, "dead_owner": DEAD_OWNER}
+    batches = {"shared": SHARED, "dead_owner": DEAD_OWNER, "hung": HUNG}
     batches.update({f"outage{i}": batch for i, batch in enumerate(OUTAGE)})
     batches.update({f"pressure{i}": batch for i, batch in enumerate(PRESSURE)})
     with engine(llama, block_size=BLOCK) as llm:
@@ -246,6 +249,55 @@ def test_master_killed_mid_workload(llama, baseline, masters):
 
 
 # ---------------------------------------------------------------------------------------------- c
+
+
+def test_a_hung_master_costs_each_request_at_most_one_lookup_deadline(llama, baseline, masters):
+    """SIGSTOP the master (its port stays open, nothing answers), then SIGCONT: requests sent one at a time
+    keep their outputs, cost at most one lookup deadline more than computing once the breaker is open,
+    and hits come back from the pool without a restart."""
+    from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S
+
+    master = masters()
+    config = mooncake_connector(master, global_segment_size=64 << 20, breaker_cooldown_s=0.5)
+    one_at_a_time = [[prompt] for prompt in HUNG]
+    with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+
+        def run_pass() -> list[tuple[float, float, GreedyResult]]:
+            llm.reset_prefix_cache()  # hits can only come from the pool
+            timings = []
+            for prompts in one_at_a_time:
+                began = time.monotonic()
+                (result,) = generate_greedy(llm, prompts, MAX_TOKENS)
+                timings.append((began, time.monotonic() - began, result))
+            return timings
+
+        stored = run_pass()
+        settle(llm)
+        normal = max(seconds for _, seconds, _ in stored)
+        os.kill(master.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        hung: list[tuple[float, float, GreedyResult]] = []
+        try:
+            while time.monotonic() - stopped < 2.5 or len(hung) < 2 * len(HUNG):
+                hung += run_pass()  # well past the first call's deadline
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        after: list[tuple[float, float, GreedyResult]] = []
+        while not any(r.num_cached_tokens for _, _, r in after[-len(HUNG) :]):
+            assert time.monotonic() - resumed < 30.0, "hits did not come back after the master resumed"
+            after = run_pass()
+    for first in range(0, len(hung), len(HUNG)):
+        assert_same_greedy(baseline["hung"], [r for _, _, r in hung[first : first + len(HUNG)]])
+    for timings in (stored, after):
+        assert_same_greedy(baseline["hung"], [r for _, _, r in timings])
+    assert all(r.num_cached_tokens == 0 for _, _, r in hung)
+    # once the breaker is open (the first call past its deadline trips it), a request costs at most one lookup
+    # deadline more than computing; the slack absorbs a loaded 2-core machine, not a stall of seconds
+    bound = 1.5 * normal + DEFAULT_LOOKUP_TIMEOUT_S + 0.5
+    settled = [seconds for began, seconds, _ in hung if began - stopped > 1.0]
+    assert settled, "no request ran once the breaker was open"
+    assert max(settled) < bound, f"requests took {max(settled):.2f} s while the master hung (bound {bound:.2f} s)"
 
 
 def test_killed_segment_owner_loads_fail_and_are_recomputed(llama, baseline, masters):

@@ -4,9 +4,9 @@ Three things shape this file (measured facts in shared/reference/mooncake-store.
 - The native client segfaults when used before setup() or after close(), so every native call passes
   a gate (state + in-flight count) and close() waits for in-flight calls before closing the client.
 - A dead master makes every RPC block ~4.3 s (a hung one: 30 s). A circuit breaker (health_check before
-  each batch, trip on RPC_FAIL) answers "unavailable" at once for a cooldown, then lets a single probe
-  through once a cheap TCP connect shows the master's port open; while one call is stuck, new calls are
-  refused instead of queueing behind it.
+  each batch, trip on RPC_FAIL or on any call overrunning its deadline) answers "unavailable" at once,
+  for everyone, until a probe - a real RPC with a short deadline on its own thread - is answered in time.
+  No call ever queues behind one stuck in the client.
 - Mooncake charges ~25 µs per buffer piece over TCP, so values made of many small pieces are staged into
   one registered contiguous buffer and moved as one piece per key.
 """
@@ -18,6 +18,7 @@ import ctypes
 import enum
 import ipaddress
 import logging
+import math
 import os
 import re
 import socket
@@ -49,7 +50,9 @@ FANCY_GATHER_BYTES = 4 << 10
 MASTER_PROBE_TIMEOUT_S = 0.5
 _U8 = np.dtype(np.uint8)
 CLOSE_DRAIN_TIMEOUT_S = 70.0  # longer than two 30 s RPC timeouts of a hung master
-STALL_GRACE_S = 1.0  # metadata RPCs take < 10 ms; a call past this (plus its transfer time) is stuck
+STALL_GRACE_S = 0.5  # metadata RPCs take < 10 ms; a call past this (plus its transfer time) is stuck
+PROBE_DEADLINE_S = 0.25  # a healthy master answers batch_is_exist of one key in ~0.1 ms
+PROBE_KEY = "kvpool/probe"  # never stored: the probe only needs an answer
 STALL_MIN_BYTES_PER_S = 100e6  # 8x below TCP loopback: a slow but moving transfer is not a stall
 
 
@@ -583,14 +586,15 @@ class _State(enum.Enum):
 
 
 class _Gate:
-    """Decides whether a native call may run: the client's lifecycle state, a circuit breaker and a
-    stall guard, plus the count of calls in flight that close() waits for.
+    """Decides whether a native call may run: the client's lifecycle state and a circuit breaker, plus
+    the calls in flight (close() waits for them; one that overruns its deadline trips the breaker).
 
-    Breaker: closed -> open (for the cooldown) when health_check() is not 0 or a call returns an RPC
-    failure; after the cooldown one call, the probe, goes through once a TCP connect shows the master's
-    port open; its success closes the breaker, its failure reopens it.
-    Stall guard: while a call has overrun its expected duration (a hung or dying master holds every RPC
-    for 4.3-30 s), new calls are refused instead of queueing behind it.
+    A hung master (stopped, swapping, deadlocked) keeps its port open and answers nothing, so every RPC
+    to it blocks for seconds. The breaker opens, for everyone, when health_check() is not 0, when a call
+    returns an RPC failure, or when a call in flight overruns its deadline. While open, every call is
+    refused at once. After each cooldown a probe - a real RPC with a short deadline, on its own thread,
+    never a caller's call - decides: an answer in time closes the breaker; silence or a failure keeps it
+    open for another cooldown. A probe stuck in the client stays stuck alone, and no other starts.
     """
 
     REFUSED = 0  # admit()'s answer when the call must not run
@@ -601,66 +605,40 @@ class _Gate:
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._health: Callable[[], int] = lambda: 1
+        self._probe_call: Callable[[], str | None] = lambda: "not started"
         self.state = _State.CLOSED
-        self._deadlines: dict[int, float] = {}  # ticket of each call in flight -> when it looks stalled
+        self._deadlines: dict[int, float] = {}  # ticket of each call in flight -> when it counts as stuck
         self._next_ticket = 1
         self._open_until = 0.0  # 0 = breaker closed, else the monotonic time its cooldown ends
-        self._probe = 0  # ticket of the probe in flight
+        self._probing = False
         self.epoch = 0
 
-    def start(self, health: Callable[[], int]) -> None:
+    def start(self, health: Callable[[], int], probe: Callable[[], str | None]) -> None:
+        """`probe`: one cheap RPC; returns why the master looks gone, or None when it answered."""
         with self._lock:
             self._health = health
+            self._probe_call = probe
             self.state = _State.READY
 
     def admit(self, nbytes: int = 0) -> int:
         """A ticket for one native call (release it!), or REFUSED."""
         with self._lock:
-            if self.state is not _State.READY:
+            if not self._usable(time.monotonic()):
                 return self.REFUSED
-            now = time.monotonic()
-            probe = bool(self._open_until)
-            if probe and (self._probe or now < self._open_until):
-                return self.REFUSED
-            if self._stalled(now):
-                return self.REFUSED
-            if self._health() != 0:
-                self._trip("health_check reports the master unreachable")
-                return self.REFUSED
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            self._deadlines[ticket] = now + STALL_GRACE_S + nbytes / STALL_MIN_BYTES_PER_S
-            if probe:
-                self._probe = ticket
-        if probe and not self._master_reachable():
-            # a real call would stall in Mooncake's reconnect loop; a refused connect costs ~0.1 ms
-            self.release(ticket, "the master's port is closed")
-            return self.REFUSED
-        return ticket
+            return self._ticket(STALL_GRACE_S + nbytes / STALL_MIN_BYTES_PER_S)
 
     def release(self, ticket: int, failure: str | None, finished: bool = True) -> None:
         """`failure`: why the master looks gone (trips the breaker); `finished` False: the call raised."""
         with self._lock:
-            del self._deadlines[ticket]
-            was_probe = ticket == self._probe
-            if was_probe:
-                self._probe = 0
+            self._deadlines.pop(ticket, None)
             if failure is not None:
                 self._trip(failure)
-            elif was_probe and finished:
-                self._open_until = 0.0
-                log.warning("mooncake: the master answers again; breaker closed")
             if not self._deadlines and self.state is _State.CLOSING:
                 self._drained.notify_all()
 
     def healthy(self) -> bool:
         with self._lock:
-            if self.state is not _State.READY:
-                return False
-            now = time.monotonic()
-            if (self._open_until and now < self._open_until) or self._stalled(now):
-                return False
-            return self._health() == 0
+            return self._usable(time.monotonic())
 
     def begin_close(self, drain_timeout_s: float) -> bool | None:
         """Refuse new calls and wait for those in flight. None: already closing or closed; else whether
@@ -680,13 +658,63 @@ class _Gate:
         with self._lock:
             return len(self._deadlines)
 
-    def _stalled(self, now: float) -> bool:
-        return bool(self._deadlines) and now > min(self._deadlines.values())
+    # -- under the lock
+
+    def _usable(self, now: float) -> bool:
+        """May a call run now? Trips the breaker on a stuck call or a failed health check, and starts
+        the probe once an open breaker's cooldown has passed."""
+        if self.state is not _State.READY:
+            return False
+        stuck = [ticket for ticket, deadline in self._deadlines.items() if now > deadline]
+        if stuck:
+            for ticket in stuck:
+                self._deadlines[ticket] = math.inf  # still in flight (close waits for it), counted once
+            self._trip("a call to the master ran past its deadline")
+        elif not self._open_until and self._health() != 0:
+            self._trip("health_check reports the master unreachable")
+        if self._open_until:
+            if now >= self._open_until and not self._probing:
+                self._start_probe()
+            return False
+        return True
+
+    def _ticket(self, deadline_s: float) -> int:
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._deadlines[ticket] = time.monotonic() + deadline_s
+        return ticket
+
+    def _start_probe(self) -> None:
+        self._probing = True
+        ticket = self._ticket(PROBE_DEADLINE_S)
+        threading.Thread(target=self._probe, args=(ticket,), name="kvpool-mooncake-probe", daemon=True).start()
+
+    def _probe(self, ticket: int) -> None:
+        began = time.monotonic()
+        failure: str | None = "the master's port is closed"
+        try:
+            if self._master_reachable():  # a dead master: skip the RPC that would stall in reconnects
+                failure = self._probe_call()
+        except Exception as exc:
+            failure = f"the probe raised {exc!r}"
+        took = time.monotonic() - began
+        if failure is None and took > PROBE_DEADLINE_S:
+            failure = f"the master took {took:.2f} s to answer a probe"
+        with self._lock:
+            self._probing = False
+            self._deadlines.pop(ticket, None)
+            if failure is not None:
+                self._trip(failure)
+            elif self._open_until:
+                self._open_until = 0.0
+                log.warning("mooncake: the master answers again within %.0f ms; breaker closed", took * 1000)
+            if not self._deadlines and self.state is _State.CLOSING:
+                self._drained.notify_all()
 
     def _trip(self, reason: str) -> None:
         if not self._open_until:
             self.epoch += 1
-            log.warning("mooncake: breaker open, retrying every %.1f s: %s", self._cooldown_s, reason)
+            log.warning("mooncake: breaker open, probing every %.1f s: %s", self._cooldown_s, reason)
         self._open_until = time.monotonic() + self._cooldown_s
 
 
@@ -757,7 +785,7 @@ class MooncakeBackend:
             code = store.register_buffer(staging.ctypes.data, staging.size)
             if code != 0:  # optional on TCP; RDMA transfers from it would fail
                 log.warning("mooncake: registering the staging buffer failed: %s", MooncakeErrorCode.describe(code))
-        self._gate.start(store.health_check)
+        self._gate.start(store.health_check, lambda: _rpc_failure(store.batch_is_exist([PROBE_KEY])))
 
     def close(self) -> None:
         """Idempotent. Afterwards every call answers unavailable without touching the native client."""

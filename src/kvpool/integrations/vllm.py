@@ -413,6 +413,7 @@ class _SchedulerSide:
                 lookup_async=lookup_async,
                 lookup_timeout_s=config.lookup_timeout_s,
             ),
+            healthy=self._own_backend.healthy if self._own_backend is not None else None,
         )
         self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
         self.metrics = SchedulerStatsSampler(self.core.stats)

@@ -98,6 +98,7 @@ SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("lookups", "lookups", "Pool lookups made for new or preempted requests."),
     MetricSpec("lookup_hit_tokens", "lookup_hit_tokens", "Prompt tokens the pool lookups found."),
     MetricSpec("lookup_failures", "lookup_failures", "Lookups that failed or timed out (counted as a miss)."),
+    MetricSpec("lookups_skipped", "lookups_skipped", "Lookups answered miss at once: the pool's breaker was open."),
     MetricSpec("load_requests", "loads", "Requests scheduled to load a prefix from the pool."),
     MetricSpec("load_tokens", "load_tokens", "Tokens scheduled to be loaded from the pool instead of computed."),
     MetricSpec("preemptions", "preemptions", "Requests preempted by the engine while tracked by kvpool."),
