@@ -24,7 +24,6 @@ def test_defaults_and_sizes():
         ({"retention_interval": -64}, "retention_interval", "positive token count"),
         ({"lookup_timeout_s": 0}, "lookup_timeout_s", "positive number of seconds"),
         ({"put_batch_chunks": 0}, "put_batch_chunks", "1 to 65536"),
-        ({"lookup_channel": "tcp"}, "lookup_channel", "auto, direct, zmq"),
         ({"load_failure_policy": "ignore"}, "load_failure_policy", "recompute or engine"),
         ({"backend": "mooncake", "mooncake": {"master_server_address": "x"}}, "master_server_address", "mooncake"),
         ({"backend": "mooncake", "mooncake": {"global_segment_size": "huge"}}, "global_segment_size", ""),

@@ -108,7 +108,7 @@ class EngineOracle(RuleBasedStateMachine):
     )
     def setup(self, sync_saves: bool, sync_loads: bool, runner: str, reset_reaches_worker: bool) -> None:
         self.runner = runner
-        self.reset_reaches_worker = reset_reaches_worker  # in-process, or rank 0 over the lookup channel
+        self.reset_reaches_worker = reset_reaches_worker  # the worker told at once, or at its next step
         self.coord = MaskCoordinator(list(self.kinds))
         self.spaces = [
             KeySpace(LayoutFingerprint("oracle", "u8", kind.block_size, "numpy", group_id=g))

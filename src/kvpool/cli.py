@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvpool: a KV-cache pool for LLM serving.")
-DEFAULT_CONTEXTS = "1024,4096,16384,65536,131072"
+DEFAULT_CONTEXTS = "1024,4096,16384,32768,65536,131072"
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a table or JSON.")
 app.add_typer(bench_app, name="bench")
 
@@ -82,6 +82,24 @@ def bench_transfer(
         raise typer.BadParameter(str(exc)) from exc
     result = transfer.run(backend=backend, pieces=counts, keys_per_batch=keys, reps=reps)
     _emit(result, as_json, transfer.print_table)
+
+
+@bench_app.command("lookup")
+def bench_lookup(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma separated")] = DEFAULT_CONTEXTS,
+    block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,64",
+    reps: Annotated[int, typer.Option(help="lookups per cell", min=10)] = 200,
+    mooncake: Annotated[bool, typer.Option(help="also ask a real mooncake_master (started on 127.0.0.1)")] = True,
+) -> None:
+    """Lookup latency on the scheduler's thread: embedded index vs Mooncake vs raw batch_is_exist."""
+    from kvpool.benchmarks import lookup
+
+    result = lookup.run(
+        contexts=_ints("--contexts", contexts), block_sizes=_ints("--block-sizes", block_sizes), reps=reps,
+        mooncake=mooncake,
+    )
+    _emit(result, as_json, lookup.print_table)
 
 
 @bench_app.command("hang")

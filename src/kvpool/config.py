@@ -63,7 +63,6 @@ class KVPoolConfig:
     check_exists_before_put: bool = True
     put_batch_chunks: int = 64
     save_buffer_bytes: int = 1 << 30
-    lookup_channel: str = "auto"
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
 
     @classmethod
@@ -122,8 +121,6 @@ class KVPoolConfig:
             raise ConfigError("put_batch_chunks", self.put_batch_chunks, "an integer from 1 to 65536")
         if self.load_failure_policy not in ("recompute", "engine"):
             raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
-        if self.lookup_channel not in ("auto", "direct", "zmq"):
-            raise ConfigError("lookup_channel", self.lookup_channel, "one of auto, direct, zmq")
 
     def backend_options(self) -> dict[str, Any]:
         if self.backend == "memory":

@@ -23,8 +23,9 @@ class GroupPlacement:
 
 @dataclass
 class ModelPlan:
-    """`replicas` consecutive TP ranks hold identical bytes (one shard); they stride their puts by the
-    absolute chunk id, so each chunk of a shard is written once, by a rank that never changes."""
+    """`replicas` consecutive TP ranks hold identical bytes (one shard). Into a shared pool they stride
+    their puts by the absolute chunk id, so each chunk of a shard is written once, by a rank that never
+    changes; with a pool per rank (embedded) each rank stores its shard whole, since it loads from its own."""
 
     coordinator: MaskCoordinator
     fingerprints: list[LayoutFingerprint]  # per group, shard 0, PP stage 0
@@ -33,18 +34,24 @@ class ModelPlan:
     replicas: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    shared_pool: bool = True  # False: each rank has a pool of its own (embedded), which it must fill itself
 
     @property
     def shard(self) -> int:
         return self.tp_rank // self.replicas
 
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
     def placements(self) -> list[GroupPlacement]:
-        position = self.tp_rank % self.replicas
+        stride = self.replicas if self.shared_pool else 1
+        position = self.tp_rank % stride
         return [
             GroupPlacement(
                 KeySpace(replace(fp, tp_shard=self.shard, pp_rank=self.pp_rank)),
-                put_step=self.replicas,
-                put_step_rank=(position + group) % self.replicas,
+                put_step=stride,
+                put_step_rank=(position + group) % stride,
             )
             for group, fp in enumerate(self.fingerprints)
         ]

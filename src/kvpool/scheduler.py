@@ -9,8 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvpool.errors import LayoutError
+from kvpool.index import PoolIndex
 from kvpool.keys import KeySpace, chunk_hashes
-from kvpool.masks import MaskCoordinator
+from kvpool.masks import FullAttention, MaskCoordinator
 from kvpool.metadata import LoadSpec, RequestDelta
 
 log = logging.getLogger("kvpool.scheduler")
@@ -72,6 +73,7 @@ class SchedulerEngine:
         exists: Exists,
         config: SchedulerConfig | None = None,
         healthy: Healthy | None = None,
+        index: PoolIndex | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.namespaces = [list(spaces) for spaces in namespaces]
@@ -83,6 +85,7 @@ class SchedulerEngine:
             )
         self.exists = exists
         self.healthy = healthy  # cheap, no I/O: False while a remote pool's breaker is open
+        self.index = index  # embedded pools: what they hold, known here; lookups never leave the thread
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
         self._lookups: dict[str, _Lookup] = {}
@@ -154,27 +157,58 @@ class SchedulerEngine:
         aligned = coord.align(max_tokens)
         if aligned <= 0:
             return 0
-        keys: list[str] = []
-        spans: list[tuple[list[int], int, int]] = []  # per group: chunk ids, first key index, namespaces
-        for group, (kind, mask) in enumerate(zip(coord.kinds, coord.lookup_masks(aligned))):
+        if self.index is not None and all(type(kind) is FullAttention for kind in coord.kinds):
+            return self._leading_hit(block_hashes, aligned)
+        groups: list[list[int]] = []  # per group: the chunk ids worth asking about
+        picked: list[list[bytes]] = []
+        for kind, mask in zip(coord.kinds, coord.lookup_masks(aligned)):
             hashes = chunk_hashes(block_hashes, coord.hash_block_size, kind.block_size)
             count = aligned // kind.block_size
             chunks = list(range(count)) if mask is None else [c for c in range(count) if mask[c]]
-            spans.append((chunks, len(keys), len(self.namespaces[group])))
-            picked = [hashes[c] for c in chunks]
-            for space in self.namespaces[group]:
-                keys.extend(space.keys(picked))
-        found = self.exists(keys) if keys else []
+            groups.append(chunks)
+            picked.append([hashes[c] for c in chunks])
+        found = self._presence(picked)
         self.stats.lookups += 1
-        self.stats.lookup_keys += len(keys)
-        present: list[Callable[[int], bool]] = []
-        for chunks, first, spaces in spans:
-            n = len(chunks)
-            hits = {chunk for i, chunk in enumerate(chunks) if all(found[first + s * n + i] for s in range(spaces))}
-            present.append(hits.__contains__)
+        present: list[Callable[[int], bool]] = [
+            {chunk for chunk, there in zip(chunks, flags) if there}.__contains__ for chunks, flags in zip(groups, found)
+        ]
         hit = coord.longest_hit(max_tokens, present)
         self.stats.lookup_hit_tokens += hit
         return hit
+
+    def _leading_hit(self, block_hashes: Sequence[bytes], aligned: int) -> int:
+        """Full attention only: the hit is the run of present chunks from the first, the same in every group."""
+        assert self.index is not None
+        coord = self.coordinator
+        hit = aligned
+        for group, kind in enumerate(coord.kinds):
+            hashes = chunk_hashes(block_hashes, coord.hash_block_size, kind.block_size)
+            count = hit // kind.block_size
+            run = min(count, self.index.leading(group, hashes))
+            hit = coord.align(run * kind.block_size)
+        self.stats.lookups += 1
+        self.stats.lookup_keys += aligned // coord.lcm
+        self.stats.lookup_hit_tokens += hit
+        return hit
+
+    def _presence(self, picked: list[list[bytes]]) -> list[list[bool]]:
+        """Per group, whether each chunk is present in every namespace the group needs."""
+        if self.index is not None:
+            self.stats.lookup_keys += sum(map(len, picked))
+            return [self.index.present(group, hashes) for group, hashes in enumerate(picked)]
+        keys: list[str] = []
+        for hashes, spaces in zip(picked, self.namespaces):
+            for space in spaces:
+                keys.extend(space.keys(hashes))
+        self.stats.lookup_keys += len(keys)
+        found = self.exists(keys) if keys else []
+        result: list[list[bool]] = []
+        first = 0
+        for hashes, spaces in zip(picked, self.namespaces):
+            n = len(hashes)
+            result.append([all(found[first + s * n + i] for s in range(len(spaces))) for i in range(n)])
+            first += n * len(spaces)
+        return result
 
     # ---- request lifecycle --------------------------------------------------------------------
 
@@ -265,6 +299,8 @@ class SchedulerEngine:
         taken before (the next step's `reset_epoch` tells them)."""
         self._lookups.clear()
         self.reset_epoch += 1
+        if self.index is not None:
+            self.index.reset(self.reset_epoch)
 
     def active_requests(self) -> int:
         return len(self._trackers) + len(self._lookups) + len(self._load_failed)

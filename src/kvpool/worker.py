@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvpool.backends.base import Backend, Status
 from kvpool.chunks import ChunkRef, chunk_range
 from kvpool.errors import LayoutError
+from kvpool.index import PoolTracker
 from kvpool.keys import chunk_hashes
 from kvpool.layout import NULL_BLOCK_ID, KVLayout
 from kvpool.loader import Loader
@@ -104,6 +105,7 @@ class WorkerEngine:
         placements: Sequence[GroupPlacement],
         layout: KVLayout | None = None,
         config: WorkerConfig | None = None,
+        tracker: PoolTracker | None = None,
     ) -> None:
         if len(placements) != len(coordinator.kinds):
             raise LayoutError(f"{len(placements)} group placements for {len(coordinator.kinds)} groups")
@@ -112,6 +114,7 @@ class WorkerEngine:
         self.placements = list(placements)
         self.layout = layout
         self.config = config or WorkerConfig()
+        self.tracker = tracker  # an embedded pool's contents, reported to the scheduler's index
         self.stats = WorkerStats()
         self._lock = threading.Lock()
         self._puts_done = threading.Condition(self._lock)
@@ -302,6 +305,9 @@ class WorkerEngine:
         except Exception:
             log.exception("could not empty the pool after a reset")
             return -1
+        finally:
+            if self.tracker is not None:
+                self.tracker.reset(epoch)
 
     # ---- storing a batch (the sender thread, or the engine thread with sync_saves) ------------
 
@@ -311,6 +317,8 @@ class WorkerEngine:
             results = self._put_batch(batch)
         except Exception:
             log.exception("save of %d chunks failed", len(batch.items))
+        if self.tracker is not None:
+            self.tracker.stored([item.key for item, status in zip(batch.items, results) if status is Status.OK])
         self._end_batch(batch, results)
 
     def _put_batch(self, batch: SaveBatch) -> list[Status]:

@@ -151,7 +151,7 @@ def test_multiprocess_engine_round_trip(model_dir, pool_name):
         first = generate_greedy(llm, prompts, MAX_TOKENS)
         assert llm.reset_prefix_cache()  # only the pool (in the worker process) still has the prefix
         second = generate_greedy(llm, prompts, MAX_TOKENS)
-        assert llm.reset_prefix_cache(reset_connector=True)  # empties the pool over the lookup channel
+        assert llm.reset_prefix_cache(reset_connector=True)  # the worker empties its pool at its next step
         third = generate_greedy(llm, prompts, MAX_TOKENS)
     assert [r.num_cached_tokens for r in first] == [0, 0]
     assert [r.num_cached_tokens for r in second] == [256, 256]

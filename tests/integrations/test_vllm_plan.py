@@ -139,18 +139,38 @@ def vars_of(config: Any) -> dict[str, Any]:
 
 
 def test_tp_placement_follows_the_replica_count_vllm_publishes(vllm_config: Any) -> None:
-    """kv_tp_replicas consecutive TP ranks hold identical KV: one shard, puts strided between them."""
+    """kv_tp_replicas consecutive TP ranks hold identical KV: one shard. Into a shared pool they stride
+    their puts; with a pool per rank (embedded) each stores the whole shard, since each loads from its own."""
     spec = vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION)
     config = copy.deepcopy(vllm_config)
     config.parallel_config.tensor_parallel_size = 4
-    plans = []
-    for rank in range(4):
-        config.parallel_config.rank = rank
-        kv_config = kv_cache_config(spec, ["x"])
-        kv_config.kv_tp_replicas = 2
-        plans.append(plan_model(config, kv_config, KVPoolConfig()))
-    assert [plan.shard for plan in plans] == [0, 0, 1, 1]
-    assert [plan.placements()[0].put_step_rank for plan in plans] == [0, 1, 0, 1]
-    assert len(plans[0].lookup_namespaces()[0]) == 2
-    assert plans[0].placements()[0].keys.prefix == plans[1].placements()[0].keys.prefix
-    assert plans[0].placements()[0].keys.prefix != plans[2].placements()[0].keys.prefix
+    shared = KVPoolConfig.from_dict({"backend": "mooncake", "mooncake": {"master": "127.0.0.1:50051"}})
+    for pool_config, put_steps, put_ranks in ((shared, 2, [0, 1, 0, 1]), (KVPoolConfig(), 1, [0, 0, 0, 0])):
+        plans = []
+        for rank in range(4):
+            config.parallel_config.rank = rank
+            kv_config = kv_cache_config(spec, ["x"])
+            kv_config.kv_tp_replicas = 2
+            plans.append(plan_model(config, kv_config, pool_config))
+        assert [plan.shard for plan in plans] == [0, 0, 1, 1]
+        assert [plan.placements()[0].put_step for plan in plans] == [put_steps] * 4
+        assert [plan.placements()[0].put_step_rank for plan in plans] == put_ranks
+        assert len(plans[0].lookup_namespaces()[0]) == 2
+        assert plans[0].placements()[0].keys.prefix == plans[1].placements()[0].keys.prefix
+        assert plans[0].placements()[0].keys.prefix != plans[2].placements()[0].keys.prefix
+
+
+def test_worker_reports_pickle_and_aggregate_over_ranks() -> None:
+    """vLLM folds the ranks' metadata left to right and, across processes, pickles it every step."""
+    import pickle
+
+    from kvpool.index import PoolReport
+    from kvpool.integrations.vllm import KVPoolWorkerMetadata
+
+    ranks = [KVPoolWorkerMetadata([PoolReport(rank, 0, stored={"p/": [bytes([rank])]})]) for rank in range(4)]
+    combined = ranks[0]
+    for other in ranks[1:]:
+        combined = combined.aggregate(pickle.loads(pickle.dumps(other)))
+    assert isinstance(combined, KVPoolWorkerMetadata)
+    assert [report.rank for report in combined.reports] == [0, 1, 2, 3]
+    assert [len(meta.reports) for meta in ranks] == [1, 1, 1, 1]  # aggregating builds a new object

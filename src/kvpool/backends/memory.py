@@ -32,6 +32,8 @@ class MemoryBackend:
         self._free_bytes = 0
         self._used = 0
         self._stats = BackendStats(name=self.name, capacity_bytes=capacity_bytes)
+        self._listeners: list[Callable[[list[str]], None]] = []
+        self._gone: list[str] = []  # keys evicted under the lock, announced to the listeners after it
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -42,7 +44,10 @@ class MemoryBackend:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
         pieces_of, sizes_of = _pieces(values, writable=False)  # bad buffers raise before any store
-        targets = self._reserve(keys, [sum(sizes_of(index)) for index in range(len(keys))])
+        try:
+            targets = self._reserve(keys, [sum(sizes_of(index)) for index in range(len(keys))])
+        finally:
+            self._announce()
         published: list[tuple[str, np.ndarray]] = []
         results: list[Status] = []
         try:
@@ -96,7 +101,9 @@ class MemoryBackend:
                 stored = self._items.pop(key, None)
                 if stored is not None:
                     self._release(stored)
+                    self._gone.append(key)
                     removed += 1
+        self._announce()
         return removed
 
     def nbytes_of(self, key: str) -> int | None:
@@ -112,11 +119,32 @@ class MemoryBackend:
     def clear(self) -> int:
         with self._lock:
             count = len(self._items)
+            self._gone.extend(self._items)
             self._items.clear()
             self._free.clear()
             self._free_bytes = 0
             self._used = sum(self._pending.values())  # puts still copying keep their reservation
+        self._announce()
         return count
+
+    def add_listener(self, listener: Callable[[list[str]], None]) -> None:
+        """Call `listener(keys)` with the keys that leave the pool (evicted, removed, cleared)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[list[str]], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def _announce(self) -> None:
+        with self._lock:
+            if not self._gone:
+                return
+            gone, self._gone = self._gone, []
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(gone)
 
     def stats(self) -> BackendStats:
         with self._lock:
@@ -156,8 +184,9 @@ class MemoryBackend:
             stats.put_failures += 1
             return Status.FULL if size else Status.ERROR
         while self._used + size > self.capacity_bytes and self._items:
-            _, evicted = self._items.popitem(last=False)
+            key_out, evicted = self._items.popitem(last=False)
             self._release(evicted)
+            self._gone.append(key_out)
             stats.evictions += 1
         if self._used + size > self.capacity_bytes:
             stats.put_failures += 1

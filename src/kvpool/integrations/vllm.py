@@ -23,12 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from kvpool.backends.base import Backend, create_backend
+from kvpool.backends.memory import MemoryBackend
 from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError, LayoutError
+from kvpool.errors import LayoutError
+from kvpool.index import PoolEvent, PoolIndex, PoolReport, PoolTracker
 from kvpool.integrations.vllm_metrics import (
     KVPoolPromMetrics,
     KVPoolStats,
@@ -37,7 +40,6 @@ from kvpool.integrations.vllm_metrics import (
 )
 from kvpool.keys import LayoutFingerprint
 from kvpool.layout import KVLayout
-from kvpool.lookup_channel import LookupClient, LookupServer, channel_address
 from kvpool.masks import MaskCoordinator
 from kvpool.metadata import StepMetadata
 from kvpool.plan import ModelPlan
@@ -47,6 +49,7 @@ from kvpool.worker import WorkerConfig, WorkerEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -62,7 +65,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpool.vllm")
 
-# In-process engines: the scheduler asks the worker's pool directly instead of over a socket.
+# In-process engines, for tests and the demo (local_worker / local_scheduler)
 _LOCAL_WORKERS: dict[str, _WorkerSide] = {}
 _LOCAL_SCHEDULERS: dict[str, _SchedulerSide] = {}
 _LOCAL_LOCK = threading.Lock()
@@ -172,12 +175,32 @@ def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: 
         for group_id, (spec, kind) in enumerate(zip(specs, kinds))
     ]
     replicas = max(1, int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1))
-    return ModelPlan(coordinator, fingerprints, rank % tp_size, tp_size, replicas, rank // tp_size, pp_size)
+    return ModelPlan(
+        coordinator,
+        fingerprints,
+        rank % tp_size,
+        tp_size,
+        replicas,
+        rank // tp_size,
+        pp_size,
+        shared_pool=config.backend != "memory",
+    )
 
 
 class KVPoolMetadata(KVConnectorMetadata):
     def __init__(self, step: StepMetadata) -> None:
         self.step = step
+
+
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, every step: what the ranks' embedded pools gained and lost."""
+
+    def __init__(self, reports: list[PoolReport]) -> None:
+        self.reports = reports
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPoolWorkerMetadata)
+        return KVPoolWorkerMetadata(self.reports + other.reports)
 
 
 class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -235,6 +258,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side.take_invalid_blocks()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side.pool_report()
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -291,6 +317,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """`reset_prefix_cache(reset_connector=True)`: empty the pool."""
         return self._scheduler_side.reset()
 
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._scheduler_side.take_events()
+
     # ---- stats (both roles) → vLLM's /metrics and stats log; see kvpool.integrations.vllm_metrics
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -320,10 +349,15 @@ class _WorkerSide:
         plan = connector.plan
         self.backend: Backend = create_backend(config.backend, config.backend_options())
         in_process_pool = config.backend == "memory"
+        placements = plan.placements()
+        self.tracker: PoolTracker | None = None
+        if isinstance(self.backend, MemoryBackend):
+            self.tracker = PoolTracker(plan.rank, [p.keys for p in placements], self.backend.keys())
+            self.backend.add_listener(self.tracker.dropped)
         self.engine = WorkerEngine(
             self.backend,
             plan.coordinator,
-            plan.placements(),
+            placements,
             config=WorkerConfig(
                 put_batch_chunks=config.put_batch_chunks,
                 check_exists_before_put=config.check_exists_before_put,
@@ -331,10 +365,8 @@ class _WorkerSide:
                 save_buffer_bytes=config.save_buffer_bytes,
                 sync_loads=in_process_pool,
             ),
+            tracker=self.tracker,
         )
-        self.server: LookupServer | None = None
-        if in_process_pool and plan.tp_rank == 0 and plan.pp_rank == 0 and config.lookup_channel != "direct":
-            self.server = LookupServer(channel_address(connector.engine_id), self.backend.exists, self.engine.reset)
         self._invalid_blocks: set[int] = set()
         self._applied: StepMetadata | None = None
         self.metrics = WorkerStatsSampler(self.engine.stats, self.backend, f"tp{plan.tp_rank}-pp{plan.pp_rank}")
@@ -378,12 +410,16 @@ class _WorkerSide:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
+    def pool_report(self) -> KVPoolWorkerMetadata | None:
+        report = self.tracker.take_report() if self.tracker is not None else None
+        return KVPoolWorkerMetadata([report]) if report is not None else None
+
     def close(self) -> None:
         with _LOCAL_LOCK:
             if _LOCAL_WORKERS.get(self.connector.engine_id) is self:
                 del _LOCAL_WORKERS[self.connector.engine_id]
-        if self.server is not None:
-            self.server.close()
+        if self.tracker is not None and isinstance(self.backend, MemoryBackend):
+            self.backend.remove_listener(self.tracker.dropped)
         self.engine.drain(timeout_s=10.0)
         self.engine.close()
         self.backend.close()
@@ -399,43 +435,47 @@ class _SchedulerSide:
         self._local_tokens: dict[str, int] = {}
         self._pending_loads: dict[str, Request] = {}
         self._loading: dict[str, set[int]] = {}  # request → blocks its pending load writes
-        self._client: LookupClient | None = None
         self._own_backend: Backend | None = None
-        self._local: _WorkerSide | None = None
-        exists, remote = self._choose_lookup()
-        lookup_async = remote if config.lookup_async is None else config.lookup_async
+        self.index: PoolIndex | None = None
+        if config.backend == "mooncake":
+            # a pool other engines write too: ask it, with a zero-segment client of our own
+            options = dict(config.backend_options(), global_segment_size=0)
+            self._own_backend = create_backend("mooncake", options)
+            exists, healthy = self._own_backend.exists, self._own_backend.healthy
+        else:
+            # the workers' embedded pools: their reports keep this index, so lookups stay on this thread
+            self.index = PoolIndex(plan.lookup_namespaces(), ranks_per_namespace=plan.replicas)
+            kv_events = getattr(connector._vllm_config, "kv_events_config", None)
+            self.index.track_events = bool(kv_events and kv_events.enable_kv_cache_events)
+            exists, healthy = self._no_exists, None
+            with _LOCAL_LOCK:
+                local = _LOCAL_WORKERS.get(connector.engine_id)
+            if local is not None and local.tracker is not None:
+                # same process: what the pool already holds (an earlier engine's saves) counts from the first lookup
+                report = local.tracker.take_report()
+                if report is not None:
+                    self.index.apply(report)
+        remote = self._own_backend is not None
         self.core = SchedulerEngine(
             plan.coordinator,
             plan.lookup_namespaces(),
             exists,
             SchedulerConfig(
                 save_decode=config.save_decode,
-                lookup_async=lookup_async,
+                lookup_async=remote if config.lookup_async is None else config.lookup_async,
                 lookup_timeout_s=config.lookup_timeout_s,
             ),
-            healthy=self._own_backend.healthy if self._own_backend is not None else None,
+            healthy=healthy,
+            index=self.index,
         )
         self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
         self.metrics = SchedulerStatsSampler(self.core.stats)
         with _LOCAL_LOCK:
             _LOCAL_SCHEDULERS[connector.engine_id] = self
 
-    def _choose_lookup(self) -> tuple[Any, bool]:
-        """(exists function, whether it leaves this process)."""
-        config = self.connector.config
-        if config.backend == "mooncake":
-            options = dict(config.backend_options(), global_segment_size=0)
-            self._own_backend = create_backend("mooncake", options)
-            return self._own_backend.exists, True
-        with _LOCAL_LOCK:
-            local = _LOCAL_WORKERS.get(self.connector.engine_id)
-        if local is not None and config.lookup_channel != "zmq":
-            self._local = local
-            return local.backend.exists, False
-        if config.lookup_channel == "direct":
-            raise ConfigError("lookup_channel", "direct", "'auto' or 'zmq' when the worker runs in another process")
-        self._client = LookupClient(channel_address(self.connector.engine_id), config.lookup_timeout_s)
-        return self._client.exists, True
+    @staticmethod
+    def _no_exists(keys: list[str]) -> list[bool]:
+        raise AssertionError("embedded pools are looked up in the index")
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         hit = self.core.lookup(request.request_id, request.block_hashes, request.num_tokens)
@@ -548,6 +588,10 @@ class _SchedulerSide:
         return targets
 
     def absorb(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if self.index is not None and isinstance(meta, KVPoolWorkerMetadata):
+            for report in meta.reports:
+                self.index.apply(report)
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
         if invalid or failed:
@@ -568,29 +612,45 @@ class _SchedulerSide:
         return self._loading.pop(req_id, None) is not None
 
     def reset(self) -> bool:
-        """Empty the pool now; every worker drops the saves it took before (see WorkerEngine.reset):
-        at once when this process holds the worker, else at the worker's next step."""
+        """Lookups miss from now on; the workers empty their pools at their next step, before its loads,
+        dropping every save taken before (see WorkerEngine.reset). A shared pool is emptied now too."""
         self.core.reset()
-        epoch = self.core.reset_epoch
         try:
             if self._own_backend is not None:
                 self._own_backend.clear()
-            elif self._local is not None:
-                return self._local.engine.reset(epoch) >= 0
-            elif self._client is not None:
-                return self._client.reset(epoch) >= 0
             return True
         except Exception:
             log.exception("could not empty the pool")
             return False
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if self.index is None or not self.index.track_events:
+            return []
+        return [self._event(event) for event in self.index.take_events()]
+
+    def _event(self, event: PoolEvent) -> KVCacheEvent:
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        block_hash = maybe_convert_block_hash(event.chunk_hash)
+        if not event.stored:
+            return BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=event.group)
+        return BlockStored(
+            block_hashes=[block_hash],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=self._block_sizes[event.group],
+            lora_id=None,
+            medium=MEDIUM_CPU,
+            lora_name=None,
+            group_idx=event.group,
+        )
 
     def close(self) -> None:
         with _LOCAL_LOCK:
             if _LOCAL_SCHEDULERS.get(self.connector.engine_id) is self:
                 del _LOCAL_SCHEDULERS[self.connector.engine_id]
         self.core.close()
-        if self._client is not None:
-            self._client.close()
         if self._own_backend is not None:
             self._own_backend.close()
 

@@ -1,0 +1,141 @@
+"""Lookup latency on the scheduler's thread: the longest stored prefix of one prompt.
+
+For prompts of 1k-128k tokens, with every chunk stored (all-hit) and none (all-miss):
+* `embedded`: the scheduler's own index of the workers' embedded pools (`PoolIndex`), no I/O;
+* `mooncake`: the same lookup asking a real mooncake_master (`MooncakeBackend.exists`), next to
+  `raw`: one native `batch_is_exist` of the same keys on the same client, the floor of any lookup.
+
+Each cell runs `reps` lookups; p50/p99 in µs. Target: embedded p99 <= 50 µs at 32k tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from kvpool.index import PoolIndex, PoolReport
+from kvpool.keys import KeySpace, LayoutFingerprint
+from kvpool.masks import FullAttention, MaskCoordinator
+from kvpool.scheduler import SchedulerEngine
+
+TARGET_TOKENS = 32768
+TARGET_P99_US = 50.0
+
+
+def run(
+    *,
+    contexts: list[int],
+    block_sizes: list[int],
+    reps: int = 200,
+    mooncake: bool = True,
+) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    master = backend = None
+    if mooncake:
+        from kvpool.backends.mooncake import MooncakeBackend
+        from kvpool.mooncake_master import start_master
+
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        master = start_master()
+        backend = MooncakeBackend.from_options({**master.backend_options(), "global_segment_size": "256MiB"})
+    try:
+        for block in block_sizes:
+            for tokens in contexts:
+                rows.extend(_cells(block, tokens, reps, backend))
+    finally:
+        if backend is not None:
+            backend.close()
+        if master is not None:
+            master.stop()
+    target = [r for r in rows if r["path"] == "embedded" and r["tokens"] == TARGET_TOKENS]
+    return {
+        "reps": reps,
+        "rows": rows,
+        "target": f"embedded p99 <= {TARGET_P99_US:.0f} µs at {TARGET_TOKENS} tokens",
+        "pass": bool(target) and all(r["p99_us"] <= TARGET_P99_US for r in target),
+    }
+
+
+def _cells(block: int, tokens: int, reps: int, backend: Any) -> list[dict[str, Any]]:
+    kind = FullAttention(block)
+    coord = MaskCoordinator([kind])
+    space = KeySpace(LayoutFingerprint("bench", "bf16", block, "bench"))
+    hashes = [hashlib.blake2b(f"{tokens}:{i}".encode(), digest_size=32).digest() for i in range(tokens // block)]
+    rows = []
+    for stored in (True, False):
+        index = PoolIndex([[space]])
+        if stored:
+            index.apply(PoolReport(0, 0, stored={space.prefix: hashes}))
+        rows.append(_row("embedded", block, tokens, stored, _lookups(coord, space, index.present, hashes, reps, index)))
+        if backend is None:
+            continue
+        keys = space.keys(hashes)
+        backend.clear()
+        if stored:
+            for first in range(0, len(keys), 256):
+                part = keys[first : first + 256]
+                backend.put(part, [[np.zeros(64, np.uint8)]] * len(part))
+        rows.append(_row("mooncake", block, tokens, stored, _lookups(coord, space, backend.exists, hashes, reps)))
+        store = backend._store  # the native client: the floor of any lookup of these keys
+        rows.append(_row("raw", block, tokens, stored, _time(partial(store.batch_is_exist, keys), reps)))
+    return rows
+
+
+def _lookups(
+    coord: MaskCoordinator, space: KeySpace, exists: Any, hashes: list[bytes], reps: int, index: PoolIndex | None = None
+) -> list[float]:
+    engine = SchedulerEngine(coord, [[space]], exists if index is None else _unused, index=index)
+    return _time(partial(engine.longest_hit, hashes, len(hashes) * coord.lcm + 1), reps)
+
+
+def _unused(keys: list[str]) -> list[bool]:
+    raise AssertionError("the index answers")
+
+
+def _time(call: Callable[[], object], reps: int) -> list[float]:
+    call()
+    gc.collect()
+    samples = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - began)
+    return samples
+
+
+def _row(path: str, block: int, tokens: int, stored: bool, samples: list[float]) -> dict[str, Any]:
+    ordered = sorted(samples)
+    return {
+        "path": path,
+        "block_size": block,
+        "tokens": tokens,
+        "chunks": tokens // block,
+        "case": "all-hit" if stored else "all-miss",
+        "p50_us": round(statistics.median(ordered) * 1e6, 1),
+        "p99_us": round(ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] * 1e6, 1),
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool bench lookup: one prompt's longest stored prefix ({result['reps']} reps)")
+    for column in ("path", "block", "tokens", "chunks", "case", "p50 µs", "p99 µs"):
+        table.add_column(column, justify="left" if column in ("path", "case") else "right")
+    for r in result["rows"]:
+        table.add_row(
+            r["path"], str(r["block_size"]), str(r["tokens"]), str(r["chunks"]), r["case"], str(r["p50_us"]),
+            str(r["p99_us"]),
+        )
+    Console().print(table)
+    Console().print(f"target: {result['target']}: {'PASS' if result['pass'] else 'FAIL'}")

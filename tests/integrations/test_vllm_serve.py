@@ -1,0 +1,134 @@
+"""kvpool behind vLLM's OpenAI server (`vllm serve`), TP 1 and TP 2, on the embedded pool.
+
+Each worker rank is its own process with its own embedded pool; the scheduler (in the EngineCore
+process) knows what they hold from their per-step reports. Requests go by token ids over HTTP:
+prompts, then other prompts that push them out of the engine's own cache, then the first prompts
+again, whose prefix must now come from the pool. Outputs must equal a server without kvpool; hits
+show in `usage.prompt_tokens_details.cached_tokens`, on /metrics, and as KV events (medium CPU) that
+name exactly the blocks vLLM itself announced for those prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.testing.server import openai_server
+
+from .conftest import random_prompts
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 64
+PROMPT_TOKENS = 400  # 6 full blocks: a pool hit serves 384 tokens
+MAX_TOKENS = 8
+TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # tiny llama, float32: 4 layers x 2 KV heads x K,V x 64 dims x 4 bytes
+CACHE_TOKENS = 1024  # the engine's own cache holds two of the prompts, not all six
+
+
+class EventSubscriber:
+    """Collects vLLM's KV events from its ZMQ publisher (msgpack batches) on a thread."""
+
+    def __init__(self, endpoint: str, topic: str) -> None:
+        import zmq
+
+        self.events: list[dict[str, Any]] = []
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._socket.setsockopt(zmq.RCVTIMEO, 100)
+        self._socket.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                _, _, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            _, events, *_ = msgspec.msgpack.decode(payload)
+            self.events.extend(events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(0)
+        self._context.term()
+
+    def hashes(self, kind: str, medium: str) -> set[int]:
+        return {
+            h
+            for event in self.events
+            if event.get("type") == kind and event.get("medium") == medium
+            for h in event["block_hashes"]
+        }
+
+
+def serve(model: Path, tp: int, prompts: list[list[int]], **extra: Any) -> list[dict[str, Any]]:
+    settings = {
+        "tensor_parallel_size": tp,
+        "block_size": BLOCK,
+        "max_model_len": PROMPT_TOKENS + 2 * BLOCK,
+        "kv_cache_memory_bytes": CACHE_TOKENS * TOKEN_BYTES // tp,
+    }
+    with openai_server(model, **settings, **extra) as server:
+        results = [server.complete(prompt, MAX_TOKENS) for prompt in prompts]
+        results.append({"metrics": server.metrics()})
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model_dir):
+    model = model_dir("llama")
+    first = random_prompts(6, PROMPT_TOKENS, seed=70)
+    others = random_prompts(4, PROMPT_TOKENS, seed=71)
+    workload = first + others + first
+    baseline = serve(model, tp, workload)
+    endpoint = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-events-{uuid.uuid4().hex[:8]}'}"
+    subscriber = EventSubscriber(endpoint, "kv")
+    try:
+        connector = {
+            "kv_connector": "KVPoolConnector",
+            "kv_connector_module_path": "kvpool.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"capacity_bytes": "64MiB"},
+        }
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+        served = serve(
+            model,
+            tp,
+            workload,
+            kv_transfer_config=connector,
+            extra_args=["--kv-events-config", json.dumps(events)],
+            env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1"},
+        )
+        time.sleep(0.5)  # the last batches in flight
+    finally:
+        subscriber.close()
+    *outputs, tail = served
+    *base_outputs, _ = baseline
+    assert [r["token_ids"] for r in outputs] == [r["token_ids"] for r in base_outputs]
+    again = outputs[len(first) + len(others) :]
+    pool_hits = [r["cached_tokens"] for r in again]
+    assert all(hit == 384 for hit in pool_hits), pool_hits  # every block but the partial last one
+    metrics = tail["metrics"]
+    assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= 6 * 384, metrics
+    assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
+    # the pool announced exactly the blocks vLLM announced for the prompts' full blocks, never withdrew them
+    stored = subscriber.hashes("BlockStored", "CPU")
+    removed = subscriber.hashes("BlockRemoved", "CPU")
+    engine_blocks = subscriber.hashes("BlockStored", "GPU")
+    assert stored and stored <= engine_blocks
+    assert len(stored - removed) >= 6 * 6

@@ -1,0 +1,154 @@
+"""The scheduler's index of the embedded pools: it equals what the ranks' pools hold."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.backends.memory import MemoryBackend
+from kvpool.index import PoolEvent, PoolIndex, PoolReport, PoolTracker
+from kvpool.keys import KeySpace, LayoutFingerprint
+
+
+def space(group: int, shard: int = 0, pp: int = 0) -> KeySpace:
+    return KeySpace(LayoutFingerprint("m", "u8", 16, "t", tp_shard=shard, pp_rank=pp, group_id=group))
+
+
+def chunk(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def value() -> list[list[np.ndarray]]:
+    return [[np.zeros(8, np.uint8)]]
+
+
+def test_a_chunk_is_present_once_every_rank_of_every_namespace_holds_it() -> None:
+    """TP 2 with two shards of two replicas each: a chunk needs both replicas of both shards."""
+    shards = [space(0, s) for s in (0, 1)]
+    index = PoolIndex([shards], ranks_per_namespace=2)
+    index.track_events = True
+    pools = {rank: MemoryBackend(1 << 20) for rank in range(4)}
+    trackers = {rank: PoolTracker(rank, [shards[rank // 2]], []) for rank in range(4)}
+    for rank, pool in pools.items():
+        pool.add_listener(trackers[rank].dropped)
+    for rank in (0, 1, 2):
+        pools[rank].put([shards[rank // 2].key(chunk(7))], value())
+        trackers[rank].stored([shards[rank // 2].key(chunk(7))])
+        index.apply(trackers[rank].take_report())  # type: ignore[arg-type]
+        assert index.present(0, [chunk(7)]) == [False]
+    pools[3].put([shards[1].key(chunk(7))], value())
+    trackers[3].stored([shards[1].key(chunk(7))])
+    index.apply(trackers[3].take_report())  # type: ignore[arg-type]
+    assert index.present(0, [chunk(7), chunk(8)]) == [True, False]
+    assert index.take_events() == [PoolEvent(0, chunk(7), True)]
+    pools[1].remove([shards[0].key(chunk(7))])  # any one rank dropping it withdraws it
+    index.apply(trackers[1].take_report())  # type: ignore[arg-type]
+    assert index.present(0, [chunk(7)]) == [False]
+    assert index.take_events() == [PoolEvent(0, chunk(7), False)]
+
+
+def test_a_tracker_reports_its_own_namespaces_once_and_what_the_pool_already_held() -> None:
+    mine, other = space(0, 0), space(0, 1)
+    pool = MemoryBackend(1 << 20)
+    pool.put([mine.key(chunk(1)), other.key(chunk(1))], value() * 2)
+    tracker = PoolTracker(3, [mine], pool.keys())
+    pool.add_listener(tracker.dropped)
+    tracker.stored([mine.key(chunk(1)), mine.key(chunk(2)), mine.key(chunk(2)), other.key(chunk(3))])
+    report = tracker.take_report()
+    assert report is not None and report.rank == 3
+    assert report.stored == {mine.prefix: [chunk(1), chunk(2)]} and report.dropped == {}
+    assert tracker.take_report() is None
+    pool.clear()
+    assert tracker.take_report().dropped == {mine.prefix: [chunk(1)]}  # type: ignore[union-attr]
+    report = pickle.loads(pickle.dumps(report))  # it crosses processes every step
+    assert report.stored[mine.prefix] == [chunk(1), chunk(2)]
+
+
+def test_reports_from_before_a_reset_are_ignored() -> None:
+    ns = space(0)
+    index = PoolIndex([[ns]])
+    tracker = PoolTracker(0, [ns], [])
+    tracker.stored([ns.key(chunk(1))])
+    late = tracker.take_report()
+    index.reset(1)
+    index.apply(late)  # type: ignore[arg-type]
+    assert index.present(0, [chunk(1)]) == [False]
+    tracker.reset(1)
+    tracker.stored([ns.key(chunk(2))])
+    index.apply(tracker.take_report())  # type: ignore[arg-type]
+    assert index.present(0, [chunk(1), chunk(2)]) == [False, True]
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "remove", "clear", "report"]), st.integers(0, 2), st.integers(0, 11)),
+        max_size=80,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_the_index_equals_what_the_pools_hold(ops: list[tuple[str, int, int]]) -> None:
+    """Three ranks (one shard, replicated) with small LRU pools; after every report the index says a
+    chunk is present exactly when every rank's pool holds it."""
+    ns = space(0)
+    index = PoolIndex([[ns]], ranks_per_namespace=3)
+    pools = [MemoryBackend(8 * 4) for _ in range(3)]  # 4 chunks each: puts evict
+    trackers = [PoolTracker(rank, [ns], []) for rank in range(3)]
+    for pool, tracker in zip(pools, trackers):
+        pool.add_listener(tracker.dropped)
+
+    def report_all() -> None:
+        for tracker in trackers:
+            report = tracker.take_report()
+            if report is not None:
+                index.apply(report)
+
+    for op, rank, i in ops:
+        key = ns.key(chunk(i))
+        if op == "put":
+            pools[rank].put([key], value())
+            trackers[rank].stored([key])
+        elif op == "remove":
+            pools[rank].remove([key])
+        elif op == "clear":
+            pools[rank].clear()
+        else:
+            report_all()
+            truth = [all(pool.exists([ns.key(chunk(c))])[0] for pool in pools) for c in range(12)]
+            assert index.present(0, [chunk(c) for c in range(12)]) == truth
+
+
+@given(
+    data=st.data(),
+    blocks=st.sampled_from([(16,), (16, 32), (32, 16, 64)]),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_full_attention_fast_path_equals_the_general_lookup(data: st.DataObject, blocks: tuple[int, ...]) -> None:
+    """All groups full attention: the index answers with one run of present chunks per group; the
+    answer must be the one the general lookup (keys through exists) gives for the same contents."""
+    from kvpool.masks import FullAttention, MaskCoordinator
+    from kvpool.scheduler import SchedulerEngine
+
+    kinds = [FullAttention(b) for b in blocks]
+    coord = MaskCoordinator(kinds, hash_block_size=16)
+    spaces = [[KeySpace(LayoutFingerprint("m", "u8", b, "t", group_id=g))] for g, b in enumerate(blocks)]
+    tokens = data.draw(st.integers(1, 600), label="tokens")
+    hashes = [chunk(i) for i in range(tokens // 16)]
+    pool = MemoryBackend(1 << 20)
+    index = PoolIndex(spaces)
+    for g, kind in enumerate(kinds):
+        from kvpool.keys import chunk_hashes
+
+        named = chunk_hashes(hashes, 16, kind.block_size)
+        held = data.draw(st.sets(st.integers(0, max(0, len(named) - 1))), label=f"group {g} holds")
+        held = {c for c in held if c < len(named)}
+        keys = [spaces[g][0].key(named[c]) for c in sorted(held)]
+        if keys:
+            pool.put(keys, value() * len(keys))
+        index.apply(PoolReport(0, 0, stored={spaces[g][0].prefix: [named[c] for c in sorted(held)]}))
+    fast = SchedulerEngine(coord, spaces, pool.exists, index=index)
+    general = SchedulerEngine(coord, spaces, pool.exists)
+    assert fast.longest_hit(hashes, tokens) == general.longest_hit(hashes, tokens)
