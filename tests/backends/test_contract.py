@@ -383,10 +383,10 @@ def test_memory_pool_evicts_least_recently_used(pool_bytes: int) -> None:
     count = pool_bytes // MiB
     keys = unique_keys(count + 4)
     values = [[np.full(MiB, i % 251, np.uint8)] for i in range(count + 4)]
-    assert pool.put(keys[:count], values[:count]) == [Status.OK] * count
-    assert read_back(pool, keys[:1], values[:1]) == [Status.OK]  # key 0 becomes the most recently used
+    assert pool.put(keys[:count], values[:count]) == [Status.OK] * count  # a chain: it ages tail first
+    assert read_back(pool, keys[count - 1 : count], values[count - 1 : count]) == [Status.OK]  # the tail: now newest
     assert pool.put(keys[count:], values[count:]) == [Status.OK] * 4
-    assert pool.exists(keys[:6]) == [True, False, False, False, False, True]
+    assert pool.exists(keys[count - 6 : count]) == [True, False, False, False, False, True]
     assert pool.stats().evictions == 4
 
 

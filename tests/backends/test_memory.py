@@ -44,20 +44,31 @@ def test_put_get_round_trip_with_pieces() -> None:
     assert stats.keys == 1 and stats.used_bytes == 37 and stats.puts == 1
 
 
-def test_lru_eviction_order() -> None:
+def test_lru_eviction_takes_a_chain_tail_first() -> None:
+    """A batch is a prefix chain, head first: it ages tail first, so what eviction leaves is a prefix."""
     pool = MemoryBackend(400)
-    keys = ["a", "b", "c", "d"]
+    keys = ["a", "b", "c", "d"]  # head ... tail
     assert pool.put(keys, [value(k, 100) for k in keys]) == [Status.OK] * 4
-    assert read(pool, "a", 100)[0] is Status.OK  # a is now the most recent
     assert pool.put(["e"], [value("e", 100)]) == [Status.OK]
-    assert stored_keys(pool, [*keys, "e"]) == ["a", "c", "d", "e"]  # b was the least recently used
+    assert stored_keys(pool, [*keys, "e"]) == ["a", "b", "c", "e"]  # the tail went, the prefix a-b-c stays
+    assert read(pool, "b", 100)[0] is Status.OK  # b is now the most recent
     assert pool.put(["c"], [value("c", 100)]) == [Status.OK]  # a put of a present key refreshes it
-    assert pool.put(["f"], [value("f", 150)]) == [Status.OK]  # needs two victims: d, then a
-    assert stored_keys(pool, ["a", "b", "c", "d", "e", "f"]) == ["c", "e", "f"]
+    assert pool.put(["f"], [value("f", 150)]) == [Status.OK]  # needs two victims: a, then e
+    assert stored_keys(pool, ["a", "b", "c", "d", "e", "f"]) == ["b", "c", "f"]
     assert pool.stats().evictions == 3
-    for key in ("c", "e", "f"):
+    for key in ("b", "c", "f"):
         size = 150 if key == "f" else 100
         assert read(pool, key, size) == (Status.OK, np.concatenate(value(key, size)).tobytes())
+
+
+def test_a_read_chain_keeps_its_head_longest() -> None:
+    pool = MemoryBackend(400)
+    assert pool.put(["x", "y"], [value(k, 100) for k in "xy"]) == [Status.OK] * 2
+    assert pool.put(["a", "b"], [value(k, 100) for k in "ab"]) == [Status.OK] * 2
+    dests = [[np.zeros(100, np.uint8)] for _ in range(4)]
+    assert pool.get_into(["x", "y", "a", "b"], dests) == [Status.OK] * 4  # a load reads head to tail
+    assert pool.put(["n"], [value("n", 100)]) == [Status.OK]
+    assert stored_keys(pool, ["x", "y", "a", "b", "n"]) == ["x", "y", "a", "n"]  # the read's tail went first
 
 
 def test_capacity_is_never_exceeded() -> None:

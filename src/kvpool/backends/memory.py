@@ -17,7 +17,11 @@ DEFAULT_CAPACITY_BYTES = 4 << 30
 
 class MemoryBackend:
     """LRU pool of byte arrays. Freed arrays are reused for values of the same size, so a warm pool
-    puts at memcpy speed instead of paying page faults on fresh memory."""
+    puts at memcpy speed instead of paying page faults on fresh memory.
+
+    Chains age tail first: a batch (the chunks of a prompt, head to tail) is put and read in reverse,
+    so its head ends up the most recently used. Eviction then takes a prefix's tail before its head,
+    as vLLM's own cache does: a prefix chain that lost its head is unreachable, however recent its tail."""
 
     name = "memory"
 
@@ -70,18 +74,18 @@ class MemoryBackend:
         if len(keys) != len(dests):
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
         pieces_of, sizes_of = _pieces(dests, writable=True)  # bad buffers raise before any read
-        results: list[Status] = []
+        results: list[Status] = [Status.MISSING] * len(keys)
         stats = self._stats
-        for index, key in enumerate(keys):
+        for index in reversed(range(len(keys))):  # tail first: the head ends most recently used
+            key = keys[index]
             pieces, sizes = pieces_of(index), sizes_of(index)
             with self._lock:
                 stored = self._items.get(key)
                 if stored is None:
                     stats.misses += 1
-                    results.append(Status.MISSING)
                     continue
                 if sum(sizes) != stored.size:
-                    results.append(Status.SIZE_MISMATCH)
+                    results[index] = Status.SIZE_MISMATCH
                     continue
                 self._items.move_to_end(key)
                 offset = 0
@@ -91,7 +95,7 @@ class MemoryBackend:
                 stats.hits += 1
                 stats.gets += 1
                 stats.get_bytes += stored.size
-            results.append(Status.OK)
+            results[index] = Status.OK
         return results
 
     def remove(self, keys: Sequence[str]) -> int:
@@ -163,6 +167,10 @@ class MemoryBackend:
         stats = self._stats
         with self._lock:
             targets = [self._reserve_one(key, size, stats) for key, size in zip(keys, sizes)]
+            items = self._items
+            for key in reversed(keys):  # tail first, like every touch: the batch's head ends most recently used
+                if key in items:
+                    items.move_to_end(key)
         try:
             return [
                 np.empty(size, dtype=np.uint8) if target is None else target for target, size in zip(targets, sizes)
@@ -205,7 +213,7 @@ class MemoryBackend:
     def _publish(self, published: list[tuple[str, np.ndarray]], reserved: list[str]) -> None:
         """Make the copied values visible; drop the reservations of those never copied (a copy raised)."""
         with self._lock:
-            for key, array in published:
+            for key, array in reversed(published):
                 self._pending.pop(key, None)
                 self._items[key] = array
                 self._stats.puts += 1
