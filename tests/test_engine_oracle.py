@@ -67,6 +67,8 @@ class Req:
     hit: int = 0
     restart: bool = True  # its next scheduling sends the whole block table (new or resumed)
     aborted: bool = False
+    loaded_in_step: bool = False  # admitted this step with a sync (in-step) load
+    tainted: bool = False  # this step computed on a block that did not hold its chunk
 
 
 class FlakyPool(MemoryBackend):
@@ -105,11 +107,16 @@ class EngineOracle(RuleBasedStateMachine):
         sync_loads=st.booleans(),
         runner=st.sampled_from(["v1", "v2"]),
         reset_reaches_worker=st.booleans(),
+        in_step_loads=st.booleans(),
     )
-    def setup(self, sync_saves: bool, sync_loads: bool, runner: str, reset_reaches_worker: bool) -> None:
+    def setup(
+        self, sync_saves: bool, sync_loads: bool, runner: str, reset_reaches_worker: bool, in_step_loads: bool
+    ) -> None:
         self.runner = runner
         self.reset_reaches_worker = reset_reaches_worker  # the worker told at once, or at its next step
         self.coord = MaskCoordinator(list(self.kinds))
+        # vLLM's sync loads: the request runs in the step that loads it (as kvpool does for one full group)
+        self.in_step = in_step_loads and sync_loads and self.coord.resumes_at_failed_chunk
         self.spaces = [
             KeySpace(LayoutFingerprint("oracle", "u8", kind.block_size, "numpy", group_id=g))
             for g, kind in enumerate(self.kinds)
@@ -256,12 +263,18 @@ class EngineOracle(RuleBasedStateMachine):
             hashes = self.hashes(req)
             hit = self.scheduler.lookup(req.rid, hashes, req.known)
             assert hit is not None
-            n = 0 if hit else min(budget, req.known)
-            blocks = self.allocate(req, max(hit, n), skip_below=hit)
+            n = min(budget, req.known - hit) if not hit or self.in_step else 0
+            blocks = self.allocate(req, hit + n, skip_below=hit)
             if blocks is None:
                 break  # vLLM admits a request only when its blocks fit
             new_blocks += blocks
-            if hit:
+            if hit and self.in_step:
+                self.scheduler.on_allocated(req.rid, req.prompt, 0, hit, in_step=True)
+                self._delta(deltas, req, 0)  # the load, then the request runs in this very step
+                req.status, req.hit, req.computed, req.loaded_in_step = "running", hit, hit, True
+                budget -= n
+                scheduled.append((req, n))
+            elif hit:
                 req.status, req.hit = "loading", hit
                 self.scheduler.on_allocated(req.rid, req.prompt, 0, hit)
                 self._delta(deltas, req, 0)
@@ -296,7 +309,7 @@ class EngineOracle(RuleBasedStateMachine):
             self._forward(req, n)
         self.worker.save(deltas)
         for req, _ in scheduled:
-            if req.known >= len(req.tokens) and req.computed >= req.known - 1:
+            if req.known >= len(req.tokens) and req.computed >= req.known - 1 and not req.loaded_in_step:
                 self._finish(req)
         self._let_through(loads_only=True)
         self.pool.fail_gets = 0
@@ -339,17 +352,23 @@ class EngineOracle(RuleBasedStateMachine):
             for chunk in range(first, -(-c // B)):
                 block_id = req.tables[g][chunk]
                 assert block_id, f"{req.rid}: group {g} attends to chunk {chunk}, a null block (computed {c})"
-                assert self.block(g, block_id) == self.expected(g, req, chunk, c), (
-                    f"{req.rid}: group {g} chunk {chunk} (block {block_id}) holds the wrong bytes at {c} tokens"
-                )
+                if self.block(g, block_id) != self.expected(g, req, chunk, c):
+                    # only a sync load that failed in this step leaves that: vLLM drops the step's output
+                    assert req.loaded_in_step, (
+                        f"{req.rid}: group {g} chunk {chunk} (block {block_id}) holds the wrong bytes at {c} tokens"
+                    )
+                    req.tainted = True
         end = c + n
         for g in range(len(self.kinds)):
             for chunk in range(c // B, -(-end // B)):
                 block_id = req.tables[g][chunk]
-                for layer, value in enumerate(self.expected(g, req, chunk, end)):
+                values = self.expected(g, req, chunk, end)
+                if req.tainted:  # computed on a wrong block: wrong bytes, which no save may store
+                    values = [digest("tainted", g, layer, chunk, self.version) for layer in range(LAYERS)]
+                for layer, value in enumerate(values):
                     self.tensors[f"g{g}.l{layer}"][block_id] = np.frombuffer(value, np.uint8)
         req.computed = end
-        if req.computed == req.known and req.known < len(req.tokens):
+        if req.computed == req.known and req.known < len(req.tokens) and not req.tainted:
             req.known += 1  # sampled
 
     def _preempt(self, req: Req) -> None:
@@ -371,6 +390,15 @@ class EngineOracle(RuleBasedStateMachine):
         assert failures.failed_requests <= done
         if failures.invalid_blocks:
             assert len(self.kinds) == 1, "vLLM refuses block-level load failures for several groups"
+        for req in [r for r in self.requests.values() if r.loaded_in_step]:
+            req.loaded_in_step = req.tainted = False
+            bad = [c for c, b in enumerate(req.tables[0][: req.hit // B]) if b in failures.invalid_blocks]
+            if bad:
+                event("in-step load failed: recompute from the failed chunk")
+                req.computed = bad[0] * B  # vLLM truncates at the first invalid block, drops the step's output
+                self.scheduler.mark_load_failed(req.rid)
+            elif req.known >= len(req.tokens) and req.computed >= req.known - 1:
+                self._finish(req)
         for rid in done:
             event("load")
             self.loads_reported[rid] += 1

@@ -262,3 +262,31 @@ def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[W
     time.sleep(0.1)  # the abandoned read has returned by now
     assert all(model.read(0, block_id) == bytes([POISON]) * 16 for block_id in tables[0][:8])
     assert expected  # the pool did hold the chunks: only the hang failed the load
+
+
+def test_an_in_step_load_that_fails_skips_that_steps_save_and_is_not_reported_finished(
+    closing: list[WorkerEngine],
+) -> None:
+    """A sync load runs in the step that computes on its blocks; when a chunk is missing, that step's
+    forward attended to an unwritten block, so nothing this step computes for the request may be saved.
+    The engine learns of the failure through invalid blocks alone: no finished_recving for it."""
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    backend.remove([model.key(0, hashes, 5)])
+    tables = model.tables(160)
+    for delta in (
+        RequestDelta("r", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=160, stored_tokens=128),
+        RequestDelta("r", save_tokens=160, computed_before=128),
+    ):
+        if delta.num_prompt_tokens:
+            delta.load = LoadSpec(0, 128, in_step=True)
+        engine.apply([delta])
+    assert engine.take_finished_loads() == set()
+    assert failed_blocks(engine) == {tables[0][5]}
+    put_before = len(backend.put_keys)
+    engine.save([RequestDelta("r", save_tokens=160, computed_before=128)])  # the same step's save
+    assert engine.drain(5)
+    assert len(backend.put_keys) == put_before  # nothing computed on the unwritten block is stored
+    engine.save([RequestDelta("r", save_tokens=160, computed_before=80)])  # the next step recomputed from 80
+    assert engine.drain(5)
+    assert backend.exists_keys[-3:] == [model.key(0, hashes, c) for c in (5, 6, 7)]
+    assert backend.put_keys[put_before:] == [model.key(0, hashes, 5)]  # 6 and 7 are still in the pool

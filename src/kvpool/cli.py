@@ -102,6 +102,19 @@ def bench_lookup(
     _emit(result, as_json, lookup.print_table)
 
 
+@bench_app.command("serve-overhead")
+def bench_serve_overhead(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    prompts: Annotated[int, typer.Option(help="prompts per round", min=1)] = 12,
+    rounds: Annotated[int, typer.Option(help="rounds", min=1)] = 2,
+) -> None:
+    """Per-request latency behind vLLM's OpenAI server, with and without kvpool (misses, hits)."""
+    from kvpool.benchmarks import serve_overhead
+
+    result = serve_overhead.run(prompts=prompts, rounds=rounds)
+    _emit(result, as_json, serve_overhead.print_table)
+
+
 @bench_app.command("hang")
 def bench_hang(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,

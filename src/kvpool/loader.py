@@ -70,18 +70,26 @@ class Loader:
             self._thread = threading.Thread(target=self._run, name="kvpool-loader", daemon=True)
             self._thread.start()
 
-    def start(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> None:
-        """Load `items`; `missing` (chunks without a key) fail at once."""
+    def start(
+        self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef], *, report_finished: bool = True
+    ) -> None:
+        """Load `items`; `missing` (chunks without a key) fail at once. `report_finished` False: the
+        engine does not wait for this load (it runs now, in the step that computes on it)."""
         with self._lock:
             self._pending += 1
         self.stats.loads += 1
-        if self.sync:
-            self._execute(req_id, items, missing)
+        if self.sync or not report_finished:
+            self._execute(req_id, items, missing, report_finished)
         elif not self.backend.healthy():
             # fail now, in the engine's thread: never queue behind a call stuck in the pool's client
             self._execute(req_id, [], items + missing)
         else:
             self._queue.put((req_id, items, missing))
+
+    def failed_in_step(self, req_id: str) -> bool:
+        """Did the load just run for `req_id` (in this thread) leave chunks unloaded?"""
+        with self._lock:
+            return req_id in self._failed
 
     def _run(self) -> None:
         while True:
@@ -90,7 +98,9 @@ class Loader:
                 return
             self._execute(*entry)
 
-    def _execute(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> None:
+    def _execute(
+        self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef], report_finished: bool = True
+    ) -> None:
         failed: list[ChunkRef] = list(items)
         try:
             failed = self._load(items)
@@ -105,7 +115,8 @@ class Loader:
                 with self._idle:
                     if failed:
                         self._failed.setdefault(req_id, []).extend(failed)
-                    self._finished.add(req_id)
+                    if report_finished:
+                        self._finished.add(req_id)
                     self._pending -= 1
                     self._idle.notify_all()
 

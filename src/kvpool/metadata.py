@@ -11,6 +11,9 @@ class LoadSpec:
 
     start_tokens: int
     hit_tokens: int
+    # the engine computes on the loaded blocks in this very step (vLLM: a sync load, reported through
+    # invalid blocks only); otherwise it waits until the load is reported finished
+    in_step: bool = False
 
 
 @dataclass

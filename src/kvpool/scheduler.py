@@ -212,11 +212,13 @@ class SchedulerEngine:
 
     # ---- request lifecycle --------------------------------------------------------------------
 
-    def on_allocated(self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int) -> None:
+    def on_allocated(
+        self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int, *, in_step: bool = False
+    ) -> None:
         """The engine allocated blocks; `external_tokens` > 0 arms a load of [local, local + external)."""
         tracker = self._tracker(req_id, num_prompt_tokens)
         if external_tokens > 0:
-            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens)
+            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens, in_step)
             self.stats.loads += 1
             self.stats.load_tokens += external_tokens
 

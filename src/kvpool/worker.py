@@ -85,6 +85,7 @@ class _RequestState:
     finished: bool = False
     dropped: bool = False  # preempted or retired: a later delta starts a new state
     frozen: bool = False  # alive across a pool reset: its KV mixes old and new, never saved again
+    skip_save_once: bool = False  # an in-step load failed: this step's forward computed on unwritten blocks
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class WorkerEngine:
         """Record new hashes and blocks, and start the loads the step asks for."""
         for delta in deltas:
             if self._update_state(delta) is not None and delta.load is not None:
-                self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens)
+                self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens, in_step=delta.load.in_step)
 
     def save(self, deltas: Iterable[RequestDelta]) -> None:
         """After the step's forward: save every request whose saveable length grew, as one batch.
@@ -221,6 +222,9 @@ class WorkerEngine:
                 continue
             state = self._states.get(delta.req_id)
             if state is None or state.dropped or state.finished or state.frozen:
+                continue
+            if state.skip_save_once:
+                state.skip_save_once = False  # the engine recomputes it; the next step's save covers it
                 continue
             state.computed_before = max(state.computed_before, delta.computed_before)
             hashed = len(state.hashes) * coord.hash_block_size
@@ -385,8 +389,9 @@ class WorkerEngine:
 
     # ---- loads --------------------------------------------------------------------------------
 
-    def load(self, req_id: str, start_tokens: int, hit_tokens: int) -> None:
-        """Load the chunks of a hit of `hit_tokens` from `start_tokens` on into the request's blocks."""
+    def load(self, req_id: str, start_tokens: int, hit_tokens: int, *, in_step: bool = False) -> None:
+        """Load the chunks of a hit of `hit_tokens` from `start_tokens` on into the request's blocks.
+        `in_step`: the engine computes on them in this step (a sync load, never reported finished)."""
         coord = self.coordinator
         items: list[ChunkRef] = []
         missing: list[ChunkRef] = []
@@ -411,7 +416,12 @@ class WorkerEngine:
                         missing.append(ChunkRef(group, chunk, block_id, ""))
                         continue
                     items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk])))
-        self.loader.start(req_id, items, missing)
+        self.loader.start(req_id, items, missing, report_finished=not in_step)
+        if in_step and self.loader.failed_in_step(req_id):
+            with self._lock:
+                state = self._states.get(req_id)
+                if state is not None:
+                    state.skip_save_once = True  # this step computes on blocks the load did not fill
 
     def _load_done(self, req_id: str, failed: list[ChunkRef]) -> None:
         """A load ended; the chunks from the first failed one on are not in the pool: save them again."""

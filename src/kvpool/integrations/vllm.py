@@ -434,7 +434,8 @@ class _SchedulerSide:
         self.requests: dict[str, Request] = {}
         self._local_tokens: dict[str, int] = {}
         self._pending_loads: dict[str, Request] = {}
-        self._loading: dict[str, set[int]] = {}  # request → blocks its pending load writes
+        self._loading: dict[str, set[int]] = {}  # request → blocks its pending (async) load writes
+        self._loaded_in_step: dict[str, set[int]] = {}  # the same for loads the engine computed on at once
         self._own_backend: Backend | None = None
         self.index: PoolIndex | None = None
         if config.backend == "mooncake":
@@ -456,6 +457,11 @@ class _SchedulerSide:
                 if report is not None:
                     self.index.apply(report)
         remote = self._own_backend is not None
+        # An embedded pool loads in the step that computes on the blocks (vLLM's sync load: no waiting
+        # steps) when a failed chunk can be recomputed on its own, i.e. one full-attention group: vLLM then
+        # truncates at the first bad block and drops that step's output. Any other model needs the async
+        # path, whose failures recompute the whole request before it runs.
+        self._loads_in_step = not remote and plan.coordinator.resumes_at_failed_chunk
         self.core = SchedulerEngine(
             plan.coordinator,
             plan.lookup_namespaces(),
@@ -483,16 +489,20 @@ class _SchedulerSide:
             return None, False
         self._local_tokens[request.request_id] = num_computed_tokens
         external = max(0, hit - num_computed_tokens)
-        return external, external > 0
+        # in-step loads (sync for vLLM) skip the steps an async load waits; see _loads_in_step
+        return external, external > 0 and not self._loads_in_step
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         req_id = request.request_id
         local = self._local_tokens.get(req_id, 0)
-        self.core.on_allocated(req_id, request.num_prompt_tokens, local, num_external_tokens)
+        self.core.on_allocated(
+            req_id, request.num_prompt_tokens, local, num_external_tokens, in_step=self._loads_in_step
+        )
         self._pending_loads[req_id] = request
-        self._loading[req_id] = set()
+        if not self._loads_in_step:
+            self._loading[req_id] = set()
         self.requests.setdefault(req_id, request)
 
     def _table(self, req_id: str, scheduler_output: SchedulerOutput) -> tuple[list[int], ...] | None:
@@ -524,7 +534,8 @@ class _SchedulerSide:
             if delta is not None:
                 step.requests.append(delta)
                 if delta.load is not None:
-                    self._loading[req_id] = self._load_targets(table, delta.load.start_tokens, delta.load.hit_tokens)
+                    targets = self._load_targets(table, delta.load.start_tokens, delta.load.hit_tokens)
+                    (self._loaded_in_step if delta.load.in_step else self._loading)[req_id] = targets
         self._pending_loads.clear()
         spec_tokens = so.scheduled_spec_decode_tokens
         for new in so.scheduled_new_reqs:
@@ -595,11 +606,13 @@ class _SchedulerSide:
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
         if invalid or failed:
-            for req_id, targets in self._loading.items():
-                if req_id in failed or not targets.isdisjoint(invalid):
-                    self.core.mark_load_failed(req_id)
+            for loads in (self._loading, self._loaded_in_step):
+                for req_id, targets in loads.items():
+                    if req_id in failed or not targets.isdisjoint(invalid):
+                        self.core.mark_load_failed(req_id)
         for req_id in output.finished_recving or ():
             self._loading.pop(req_id, None)
+        self._loaded_in_step.clear()  # in-step loads report failures in their own step's output, or never
 
     def finished(self, request: Request) -> bool:
         """True (vLLM keeps the blocks) only while a load still writes them: vLLM frees them once the

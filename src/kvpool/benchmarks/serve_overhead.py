@@ -1,0 +1,133 @@
+"""What kvpool costs a request behind vLLM's OpenAI server, next to the same server without it.
+
+Two servers, same model and settings, run in turns (A, B, A, B: one round each); requests one at a
+time by token ids:
+* `miss`: prompts neither the engine nor the pool has seen (0% reuse): with kvpool ÷ without
+  (target <= 1.05: the connector's whole cost on a request it cannot help);
+* `local hit` (without kvpool): a prompt sent again at once, served by the engine's own prefix cache;
+* `pool hit` (with kvpool): a prompt sent again after other prompts pushed it out of the engine's
+  cache, so its prefix comes from the pool: ÷ the local hit (target <= 1.2).
+Medians over all requests of a kind; both servers run the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from kvpool.testing.models import default_model_dir, make_tiny_model
+from kvpool.testing.server import OpenAIServer, openai_server
+
+TARGET_MISS_RATIO = 1.05
+TARGET_HIT_RATIO = 1.2
+TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # the tiny llama in float32: 4 layers x 2 KV heads x K,V x 64 dims x 4 B
+
+
+def run(
+    *, prompts: int = 12, prompt_tokens: int = 400, rounds: int = 2, model_kind: str = "llama", block_size: int = 64
+) -> dict[str, Any]:
+    model = make_tiny_model(model_kind, default_model_dir() / model_kind)
+    rng = random.Random(0)
+
+    def batch(count: int) -> list[list[int]]:
+        return [[rng.randrange(3, 1000) for _ in range(prompt_tokens)] for _ in range(count)]
+
+    rounds_prompts = [(batch(prompts), batch(4)) for _ in range(rounds)]
+    settings: dict[str, Any] = {
+        "block_size": block_size,
+        "max_model_len": prompt_tokens + 2 * block_size,
+        "kv_cache_memory_bytes": 1024 * TOKEN_BYTES,  # the engine's own cache holds two prompts
+    }
+    connector = {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"capacity_bytes": "256MiB"},
+    }
+    without: dict[str, list[float]] = {"miss": [], "local_hit": []}
+    with_pool: dict[str, list[float]] = {"miss": [], "pool_hit": []}
+    pool_tokens = 0
+    # one server at a time (two would fight over the 2 cores), alternating: A B A B ... so that slow
+    # phases of a noisy machine fall on both
+    for first, others in rounds_prompts:
+        with openai_server(model, **settings) as plain:
+            _warm(plain, prompt_tokens)
+            for prompt in first:
+                without["miss"].append(_timed(plain, prompt)[0])
+                seconds, cached = _timed(plain, prompt)  # at once: the engine's own cache has it
+                if cached:
+                    without["local_hit"].append(seconds)
+        with openai_server(model, kv_transfer_config=connector, **settings) as pool:
+            _warm(pool, prompt_tokens)
+            with_pool["miss"] += [_timed(pool, prompt)[0] for prompt in first]
+            for prompt in others:  # push the first prompts out of the engine's own cache
+                _timed(pool, prompt)
+            for prompt in first:
+                seconds, cached = _timed(pool, prompt)
+                if cached:
+                    with_pool["pool_hit"].append(seconds)
+                    pool_tokens += cached
+    medians = {
+        "miss_ms_without": _median_ms(without["miss"]),
+        "miss_ms_with": _median_ms(with_pool["miss"]),
+        "local_hit_ms_without": _median_ms(without["local_hit"]),
+        "pool_hit_ms_with": _median_ms(with_pool["pool_hit"]),
+    }
+    miss_ratio = medians["miss_ms_with"] / max(medians["miss_ms_without"], 1e-9)
+    hit_ratio = medians["pool_hit_ms_with"] / max(medians["local_hit_ms_without"], 1e-9)
+    return {
+        "model": model_kind,
+        "prompt_tokens": prompt_tokens,
+        "requests_per_kind": prompts * rounds,
+        **medians,
+        "pool_hits": len(with_pool["pool_hit"]),
+        "pool_tokens": pool_tokens,
+        "miss_ratio": round(miss_ratio, 3),
+        "pool_hit_vs_local_hit": round(hit_ratio, 3),
+        "targets": f"miss ratio <= {TARGET_MISS_RATIO}; pool hit <= {TARGET_HIT_RATIO}x local hit",
+        "pass": bool(
+            miss_ratio <= TARGET_MISS_RATIO
+            and hit_ratio <= TARGET_HIT_RATIO
+            and len(with_pool["pool_hit"]) == prompts * rounds
+        ),
+    }
+
+
+def _warm(server: OpenAIServer, prompt_tokens: int) -> None:
+    rng = random.Random(1)
+    for _ in range(3):
+        server.complete([rng.randrange(3, 1000) for _ in range(prompt_tokens)], 8)
+
+
+def _timed(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
+    began = time.perf_counter()
+    result = server.complete(prompt, 8)
+    return time.perf_counter() - began, result["cached_tokens"]
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * 1000, 2) if seconds else 0.0
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvpool bench serve-overhead: {result['requests_per_kind']} requests a kind (medians)")
+    table.add_column("request")
+    table.add_column("without kvpool (ms)", justify="right")
+    table.add_column("with kvpool (ms)", justify="right")
+    table.add_column("ratio", justify="right")
+    table.add_row(
+        "miss (0% reuse)", str(result["miss_ms_without"]), str(result["miss_ms_with"]), str(result["miss_ratio"])
+    )
+    table.add_row(
+        "hit: engine's own cache / the pool",
+        str(result["local_hit_ms_without"]),
+        str(result["pool_hit_ms_with"]),
+        str(result["pool_hit_vs_local_hit"]),
+    )
+    Console().print(table)
+    Console().print(f"targets: {result['targets']}: {'PASS' if result['pass'] else 'FAIL'}")
