@@ -3,7 +3,8 @@
 Two servers, same model and settings, run in turns (A, B, A, B: one round each); requests one at a
 time by token ids:
 * `miss`: prompts neither the engine nor the pool has seen (0% reuse): with kvpool ÷ without
-  (target <= 1.05: the connector's whole cost on a request it cannot help);
+  (target <= 1.05: the connector's whole cost on a request it cannot help), and ÷ a server with a
+  connector that does nothing (`NoopConnector`: what vLLM's connector machinery itself costs);
 * `local hit` (without kvpool): a prompt sent again at once, served by the engine's own prefix cache;
 * `pool hit` (with kvpool): a prompt sent again after other prompts pushed it out of the engine's
   cache, so its prefix comes from the pool: ÷ the local hit (target <= 1.2).
@@ -21,6 +22,11 @@ from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import OpenAIServer, openai_server
 
 TARGET_MISS_RATIO = 1.05
+NOOP_CONNECTOR = {
+    "kv_connector": "NoopConnector",
+    "kv_connector_module_path": "kvpool.testing.noop_connector",
+    "kv_role": "kv_both",
+}
 TARGET_HIT_RATIO = 1.2
 TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # the tiny llama in float32: 4 layers x 2 KV heads x K,V x 64 dims x 4 B
 
@@ -47,10 +53,11 @@ def run(
         "kv_connector_extra_config": {"capacity_bytes": "256MiB"},
     }
     without: dict[str, list[float]] = {"miss": [], "local_hit": []}
+    noop: dict[str, list[float]] = {"miss": []}
     with_pool: dict[str, list[float]] = {"miss": [], "pool_hit": []}
     pool_tokens = 0
-    # one server at a time (two would fight over the 2 cores), alternating: A B A B ... so that slow
-    # phases of a noisy machine fall on both
+    # one server at a time (two would fight over the 2 cores), in turns, so that slow phases of a noisy
+    # machine fall on all of them
     for first, others in rounds_prompts:
         with openai_server(model, **settings) as plain:
             _warm(plain, prompt_tokens)
@@ -59,6 +66,9 @@ def run(
                 seconds, cached = _timed(plain, prompt)  # at once: the engine's own cache has it
                 if cached:
                     without["local_hit"].append(seconds)
+        with openai_server(model, kv_transfer_config=NOOP_CONNECTOR, **settings) as idle:
+            _warm(idle, prompt_tokens)
+            noop["miss"] += [_timed(idle, prompt)[0] for prompt in first]
         with openai_server(model, kv_transfer_config=connector, **settings) as pool:
             _warm(pool, prompt_tokens)
             with_pool["miss"] += [_timed(pool, prompt)[0] for prompt in first]
@@ -71,6 +81,7 @@ def run(
                     pool_tokens += cached
     medians = {
         "miss_ms_without": _median_ms(without["miss"]),
+        "miss_ms_noop_connector": _median_ms(noop["miss"]),
         "miss_ms_with": _median_ms(with_pool["miss"]),
         "local_hit_ms_without": _median_ms(without["local_hit"]),
         "pool_hit_ms_with": _median_ms(with_pool["pool_hit"]),
@@ -85,6 +96,9 @@ def run(
         "pool_hits": len(with_pool["pool_hit"]),
         "pool_tokens": pool_tokens,
         "miss_ratio": round(miss_ratio, 3),
+        "miss_ratio_vs_noop_connector": round(
+            medians["miss_ms_with"] / max(medians["miss_ms_noop_connector"], 1e-9), 3
+        ),
         "pool_hit_vs_local_hit": round(hit_ratio, 3),
         "targets": f"miss ratio <= {TARGET_MISS_RATIO}; pool hit <= {TARGET_HIT_RATIO}x local hit",
         "pass": bool(
@@ -122,6 +136,12 @@ def print_table(result: dict[str, Any]) -> None:
     table.add_column("ratio", justify="right")
     table.add_row(
         "miss (0% reuse)", str(result["miss_ms_without"]), str(result["miss_ms_with"]), str(result["miss_ratio"])
+    )
+    table.add_row(
+        "miss, next to a connector that does nothing",
+        str(result["miss_ms_noop_connector"]),
+        str(result["miss_ms_with"]),
+        str(result["miss_ratio_vs_noop_connector"]),
     )
     table.add_row(
         "hit: engine's own cache / the pool",
