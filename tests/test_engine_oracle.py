@@ -66,6 +66,7 @@ class Req:
     status: str = "waiting"  # waiting | loading | running
     hit: int = 0
     restart: bool = True  # its next scheduling sends the whole block table (new or resumed)
+    sent: list[int] = field(default_factory=list)  # per group, the table length its last step saw
     aborted: bool = False
     loaded_in_step: bool = False  # admitted this step with a sync (in-step) load
     tainted: bool = False  # this step computed on a block that did not hold its chunk
@@ -327,12 +328,14 @@ class EngineOracle(RuleBasedStateMachine):
             req.rid,
             num_prompt_tokens=req.prompt,
             block_hashes=self.hashes(req),
-            block_table=req.tables,
             computed_before=req.computed,
             new_tokens=n,
-            resumed=req.restart,
+            # as vLLM's scheduler output: the whole table on a (re)start, else the blocks appended since
+            new_blocks=req.tables if req.restart else [t[s:] for t, s in zip(req.tables, req.sent)],
+            whole_table=req.restart,
         )
         req.restart = False
+        req.sent = [len(table) for table in req.tables]
         if delta is not None:
             deltas.append(delta)
 

@@ -225,8 +225,9 @@ def test_deltas_carry_only_what_changed(save_decode: bool) -> None:
     mirror = WorkerMirror()
     sent_hashes = sent_blocks = deltas = 0
     last_save = 0
-    for _ in range(100):
+    for step in range(100):
         new = min(budget, known - computed)
+        appended = len(table)
         while len(table) * block < computed + new:
             table.append(len(table) + 1)
         block_hashes = all_hashes[: known // block]
@@ -234,9 +235,10 @@ def test_deltas_carry_only_what_changed(save_decode: bool) -> None:
             "r",
             num_prompt_tokens=prompt,
             block_hashes=block_hashes,
-            block_table=[table],
             computed_before=computed,
             new_tokens=new,
+            new_blocks=[table[appended:]],  # what vLLM's scheduler output carries: the blocks appended
+            whole_table=step == 0,
         )
         if delta is not None:
             deltas += 1
@@ -265,10 +267,20 @@ def test_deltas_carry_only_what_changed(save_decode: bool) -> None:
 
 def test_no_change_no_delta() -> None:
     sched = full_scheduler(Pool())
-    args = {"num_prompt_tokens": 40, "block_hashes": hashes_for("p", 2), "block_table": [[1, 2, 3]]}
-    first = sched.request_delta("r", computed_before=0, new_tokens=40, **args)
+    args = {"num_prompt_tokens": 40, "block_hashes": hashes_for("p", 2)}
+    first = sched.request_delta("r", computed_before=0, new_tokens=40, new_blocks=[[1, 2, 3]], whole_table=True, **args)
     assert first is not None and first.save_tokens == 32 and first.num_prompt_tokens == 40
     assert sched.request_delta("r", computed_before=40, new_tokens=1, **args) is None
+    assert sched.request_delta("r", computed_before=41, new_tokens=1, new_blocks=[[]], **args) is None
+
+
+def test_the_first_step_must_carry_the_whole_table() -> None:
+    sched = full_scheduler(Pool())
+    with pytest.raises(ValueError, match=r"'r'.*whole block table"):
+        sched.request_delta(
+            "r", num_prompt_tokens=40, block_hashes=[], computed_before=0, new_tokens=8, new_blocks=[[1]]
+        )
+    assert not sched.started("r")
 
 
 def test_chunked_prefill_saves_the_last_full_prompt_block() -> None:
@@ -276,33 +288,30 @@ def test_chunked_prefill_saves_the_last_full_prompt_block() -> None:
     hashes = hashes_for("p", 3)
     saves = []
     computed = 0
+    table: list[int] = []
     while computed < 96:
         new = min(20, 96 - computed)
+        appended = len(table)
         table = list(range(1, -(-(computed + new) // 32) + 1))
         delta = sched.request_delta(
             "r",
             num_prompt_tokens=96,
             block_hashes=hashes,
-            block_table=[table],
             computed_before=computed,
             new_tokens=new,
+            new_blocks=[table[appended:]],
+            whole_table=computed == 0,
         )
         saves.append(delta.save_tokens if delta else 0)
         computed += new
     assert saves == [0, 32, 0, 64, 96]
     # decode steps after the prompt save nothing more (save_decode off)
-    table = [1, 2, 3, 4]
+    grown = sched.request_delta(
+        "r", num_prompt_tokens=96, block_hashes=hashes, computed_before=96, new_tokens=1, new_blocks=[[4]]
+    )
+    assert grown is not None and grown.new_blocks == ([4],)  # the new block id is sent
     assert (
-        sched.request_delta(
-            "r", num_prompt_tokens=96, block_hashes=hashes, block_table=[table], computed_before=96, new_tokens=1
-        )
-        is not None
-    )  # the new block id is sent
-    assert (
-        sched.request_delta(
-            "r", num_prompt_tokens=96, block_hashes=hashes, block_table=[table], computed_before=97, new_tokens=1
-        )
-        is None
+        sched.request_delta("r", num_prompt_tokens=96, block_hashes=hashes, computed_before=97, new_tokens=1) is None
     )
 
 
@@ -310,18 +319,18 @@ def test_resumed_request_replaces_the_table() -> None:
     sched = full_scheduler(Pool())
     hashes = hashes_for("p", 4)
     common = {"num_prompt_tokens": 64, "block_hashes": hashes}
-    first = sched.request_delta("r", block_table=[[1, 2]], computed_before=0, new_tokens=32, **common)
+    first = sched.request_delta("r", new_blocks=[[1, 2]], whole_table=True, computed_before=0, new_tokens=32, **common)
     assert first is not None and first.replace_blocks and first.new_blocks == ([1, 2],)
-    grown = sched.request_delta("r", block_table=[[1, 2, 3]], computed_before=32, new_tokens=16, **common)
+    grown = sched.request_delta("r", new_blocks=[[3]], computed_before=32, new_tokens=16, **common)
     assert grown is not None and not grown.replace_blocks and grown.new_blocks == ([3],)
     resumed = sched.request_delta(
-        "r", block_table=[[7, 8, 9]], computed_before=48, new_tokens=16, resumed=True, **common
+        "r", new_blocks=[[7, 8, 9]], whole_table=True, computed_before=48, new_tokens=16, **common
     )
     assert resumed is not None and resumed.replace_blocks and resumed.new_blocks == ([7, 8, 9],)
     assert resumed.new_hashes == [hashes[3]]  # hashes are not resent
     # after a preemption the tracker starts over: the worker dropped its state too
     sched.preempt("r")
-    again = sched.request_delta("r", block_table=[[4, 5]], computed_before=0, new_tokens=32, resumed=True, **common)
+    again = sched.request_delta("r", new_blocks=[[4, 5]], whole_table=True, computed_before=0, new_tokens=32, **common)
     assert again is not None and again.replace_blocks and again.num_prompt_tokens == 64
     assert again.new_hashes == hashes[:2] and again.save_tokens == 32
 
@@ -337,9 +346,10 @@ def test_first_delta_carries_the_hit_and_the_load() -> None:
         "r",
         num_prompt_tokens=130,
         block_hashes=hashes,
-        block_table=[list(range(1, 10))],
         computed_before=80,
         new_tokens=50,
+        new_blocks=[list(range(1, 10))],
+        whole_table=True,
     )
     assert delta is not None and delta.load is not None
     assert (delta.load.start_tokens, delta.load.hit_tokens) == (32, 80)
@@ -351,7 +361,6 @@ def test_first_delta_carries_the_hit_and_the_load() -> None:
         "r",
         num_prompt_tokens=130,
         block_hashes=hashes,
-        block_table=[list(range(1, 10))],
         computed_before=130,
         new_tokens=1,
     )
@@ -369,15 +378,19 @@ def test_a_failed_load_is_saved_again_once_recomputed() -> None:
     sched.on_allocated("r", 129, 0, 96)
     table = [list(range(1, 10))]
     first = sched.request_delta(
-        "r", num_prompt_tokens=129, block_hashes=hashes, block_table=table, computed_before=0, new_tokens=0
+        "r",
+        num_prompt_tokens=129,
+        block_hashes=hashes,
+        computed_before=0,
+        new_tokens=0,
+        new_blocks=table,
+        whole_table=True,
     )
     assert first is not None and first.stored_tokens == 96 and first.load is not None
     sched.mark_load_failed("r")
     assert sched.lookup("r", hashes, 129) == 0  # never offered the failed hit again
     # vLLM recomputes: the step that computes up to 128 saves from the start, not from the failed hit
-    delta = sched.request_delta(
-        "r", num_prompt_tokens=129, block_hashes=hashes, block_table=table, computed_before=0, new_tokens=128
-    )
+    delta = sched.request_delta("r", num_prompt_tokens=129, block_hashes=hashes, computed_before=0, new_tokens=128)
     assert delta is not None and delta.save_tokens == 128
 
 
@@ -397,7 +410,13 @@ def test_finish_forgets_the_request() -> None:
     sched = full_scheduler(Pool())
     hashes = hashes_for("p", 4)
     sched.request_delta(
-        "long", num_prompt_tokens=64, block_hashes=hashes, block_table=[[2, 3, 4, 5]], computed_before=0, new_tokens=64
+        "long",
+        num_prompt_tokens=64,
+        block_hashes=hashes,
+        computed_before=0,
+        new_tokens=64,
+        new_blocks=[[2, 3, 4, 5]],
+        whole_table=True,
     )
     sched.finish("long")
     sched.finish("unknown")
@@ -413,7 +432,13 @@ def test_no_state_left_after_finish_or_preempt() -> None:
         sched.lookup(req, hashes, 64)
         sched.on_allocated(req, 64, 0, 0)
         sched.request_delta(
-            req, num_prompt_tokens=64, block_hashes=hashes, block_table=[[1, 2, 3, 4]], computed_before=0, new_tokens=64
+            req,
+            num_prompt_tokens=64,
+            block_hashes=hashes,
+            computed_before=0,
+            new_tokens=64,
+            new_blocks=[[1, 2, 3, 4]],
+            whole_table=True,
         )
     assert sched.active_requests() == 20
     for i in range(10):

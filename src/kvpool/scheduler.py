@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool.errors import LayoutError
 from kvpool.index import PoolIndex
@@ -56,7 +56,6 @@ class _Tracker:
     num_prompt_tokens: int
     stored_tokens: int
     sent_hashes: int = 0
-    sent_blocks: list[int] = field(default_factory=list)
     saved_tokens: int = 0
     started: bool = False
     load: LoadSpec | None = None
@@ -236,28 +235,35 @@ class SchedulerEngine:
         *,
         num_prompt_tokens: int,
         block_hashes: Sequence[bytes],
-        block_table: Sequence[Sequence[int]],
         computed_before: int,
         new_tokens: int,
-        resumed: bool = False,
+        new_blocks: Sequence[Sequence[int]] | None = None,
+        whole_table: bool = False,
     ) -> RequestDelta | None:
-        """What the workers need to learn about this request this step (None: nothing)."""
+        """What the workers need to learn about this request this step (None: nothing).
+
+        `new_blocks`, per group, are the block ids the engine appended to the request's table since it
+        last ran (vLLM's `new_block_ids`), or its whole table when `whole_table` (its first step, and a
+        resume after preemption). The cost is O(what changed): no table is read in full on a step that
+        does not replace it."""
         coord = self.coordinator
         tracker = self._tracker(req_id, num_prompt_tokens)
         delta = RequestDelta(req_id, computed_before=computed_before)
         if not tracker.started:
+            if not whole_table:
+                raise ValueError(
+                    f"request {req_id!r}: its first step passed appended block ids; expected its whole block "
+                    "table (whole_table=True), since the workers hold no table for it yet"
+                )
             tracker.started = True
             delta.num_prompt_tokens = num_prompt_tokens
             delta.stored_tokens = tracker.stored_tokens
             tracker.saved_tokens = tracker.stored_tokens
-            resumed = True
-        if resumed or len(tracker.sent_blocks) != len(block_table):
-            delta.new_blocks = tuple(list(table) for table in block_table)
+        if whole_table:
+            delta.new_blocks = tuple(list(table) for table in new_blocks or [[] for _ in coord.kinds])
             delta.replace_blocks = True
-            tracker.sent_blocks = [len(table) for table in block_table]
-        elif any(len(table) > sent for table, sent in zip(block_table, tracker.sent_blocks)):
-            delta.new_blocks = tuple(list(table[sent:]) for table, sent in zip(block_table, tracker.sent_blocks))
-            tracker.sent_blocks = [len(table) for table in block_table]
+        elif new_blocks is not None and any(new_blocks):
+            delta.new_blocks = tuple(list(table) for table in new_blocks)
         saveable = computed_before + new_tokens
         if not self.config.save_decode:
             saveable = min(saveable, num_prompt_tokens)
@@ -273,6 +279,11 @@ class SchedulerEngine:
         if delta.new_blocks is None and not delta.save_tokens and delta.load is None and not delta.num_prompt_tokens:
             return None
         return delta
+
+    def started(self, req_id: str) -> bool:
+        """Whether the workers hold this request's table (its first delta has been built)."""
+        tracker = self._trackers.get(req_id)
+        return tracker is not None and tracker.started
 
     def mark_load_failed(self, req_id: str) -> None:
         """A load for the request failed: it recomputes, and later lookups must not offer the same hit

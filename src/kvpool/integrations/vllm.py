@@ -513,6 +513,9 @@ class _SchedulerSide:
         return table
 
     def build_step(self, so: SchedulerOutput) -> StepMetadata:
+        """O(what changed): block ids come from the scheduler output, as vLLM's own workers take them
+        (a whole table for a request's first step or a resume, else the blocks appended since); only a
+        request that starts a load has its table read from the KV cache manager."""
         core = self.core
         step = StepMetadata(reset_epoch=core.reset_epoch)
         for req_id in so.preempted_req_ids or ():
@@ -527,9 +530,10 @@ class _SchedulerSide:
                 req_id,
                 num_prompt_tokens=request.num_prompt_tokens,
                 block_hashes=request.block_hashes,
-                block_table=table,
                 computed_before=self._local_tokens.get(req_id, 0),
                 new_tokens=0,
+                new_blocks=table,
+                whole_table=True,
             )
             if delta is not None:
                 step.requests.append(delta)
@@ -538,54 +542,44 @@ class _SchedulerSide:
                     (self._loaded_in_step if delta.load.in_step else self._loading)[req_id] = targets
         self._pending_loads.clear()
         spec_tokens = so.scheduled_spec_decode_tokens
+        scheduled = so.num_scheduled_tokens
+        requests = self.requests
         for new in so.scheduled_new_reqs:
-            request = self.requests.get(new.req_id)
-            if request is None:
-                continue
-            table = self._table(new.req_id, so) or new.block_ids
-            self._add(
-                step,
-                request,
-                table,
-                new.num_computed_tokens,
-                so.num_scheduled_tokens.get(new.req_id, 0) - len(spec_tokens.get(new.req_id, ())),
-                True,
-            )
+            request = requests.get(new.req_id)
+            if request is not None:
+                new_tokens = scheduled.get(new.req_id, 0) - len(spec_tokens.get(new.req_id, ()))
+                self._add(step, request, new.block_ids, True, new.num_computed_tokens, new_tokens)
         cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            request = self.requests.get(req_id)
+        resumed = cached.resumed_req_ids
+        for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            request = requests.get(req_id)
             if request is None:
                 continue
-            table = self._table(req_id, so)
-            if table is None:
-                continue
-            self._add(
-                step,
-                request,
-                table,
-                cached.num_computed_tokens[i],
-                so.num_scheduled_tokens.get(req_id, 0) - len(spec_tokens.get(req_id, ())),
-                req_id in cached.resumed_req_ids,
-            )
+            whole = req_id in resumed
+            if not whole and not core.started(req_id):
+                # no step of ours saw it start (not a path vLLM takes today): its workers need the whole table
+                blocks, whole = self._table(req_id, so), True
+            new_tokens = scheduled.get(req_id, 0) - len(spec_tokens.get(req_id, ()))
+            self._add(step, request, blocks, whole, computed, new_tokens)
         return step
 
     def _add(
         self,
         step: StepMetadata,
         request: Request,
-        table: tuple[list[int], ...],
+        new_blocks: tuple[list[int], ...] | None,
+        whole_table: bool,
         computed_before: int,
         new_tokens: int,
-        resumed: bool,
     ) -> None:
         delta = self.core.request_delta(
             request.request_id,
             num_prompt_tokens=request.num_prompt_tokens,
             block_hashes=request.block_hashes,
-            block_table=table,
             computed_before=computed_before,
             new_tokens=max(0, new_tokens),
-            resumed=resumed,
+            new_blocks=new_blocks,
+            whole_table=whole_table,
         )
         if delta is not None:
             step.requests.append(delta)
