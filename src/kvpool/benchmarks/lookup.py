@@ -3,7 +3,10 @@
 For prompts of 1k-128k tokens, with every chunk stored (all-hit) and none (all-miss):
 * `embedded`: the scheduler's own index of the workers' embedded pools (`PoolIndex`), no I/O;
 * `mooncake`: the same lookup asking a real mooncake_master (`MooncakeBackend.exists`), next to
-  `raw`: one native `batch_is_exist` of the same keys on the same client, the floor of any lookup.
+  `raw`: one native `batch_is_exist` of the same keys on the same client, the floor of any lookup;
+* `vllm_local`: vLLM's own prefix-cache lookup of the same hashes (`FullAttentionManager.
+  find_longest_cache_hit` on a real `BlockPool`), which the scheduler runs for the same request in the
+  same step: what a lookup costs the engine before kvpool adds its own.
 
 Each cell runs `reps` lookups; p50/p99 in µs. Target: embedded p99 <= 50 µs at 32k tokens.
 """
@@ -17,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,9 +60,15 @@ def run(
         if master is not None:
             master.stop()
     target = [r for r in rows if r["path"] == "embedded" and r["tokens"] == TARGET_TOKENS]
+    local = {(r["block_size"], r["case"]): r["p99_us"] for r in rows if r["path"] == "vllm_local"}
     return {
         "reps": reps,
         "rows": rows,
+        "embedded_p99_vs_vllm_local": [
+            {"block_size": r["block_size"], "case": r["case"], "ratio": round(r["p99_us"] / local[key], 3)}
+            for r in target
+            if (key := (r["block_size"], r["case"])) in local
+        ],
         "target": f"embedded p99 <= {TARGET_P99_US:.0f} µs at {TARGET_TOKENS} tokens",
         "pass": bool(target) and all(r["p99_us"] <= TARGET_P99_US for r in target),
     }
@@ -76,6 +85,11 @@ def _cells(block: int, tokens: int, reps: int, backend: Any) -> list[dict[str, A
         if stored:
             index.apply(PoolReport(0, 0, stored={space.prefix: hashes}))
         rows.append(_row("embedded", block, tokens, stored, _lookups(coord, space, index.present, hashes, reps, index)))
+        found = SchedulerEngine(coord, [[space]], _unused, index=index).longest_hit(hashes, tokens + 1)
+        _expect("embedded", found, tokens if stored else 0)
+        local = _vllm_local_lookup(block, hashes, stored)
+        if local is not None:
+            rows.append(_row("vllm_local", block, tokens, stored, _time(local, reps)))
         if backend is None:
             continue
         keys = space.keys(hashes)
@@ -94,7 +108,40 @@ def _lookups(
     coord: MaskCoordinator, space: KeySpace, exists: Any, hashes: list[bytes], reps: int, index: PoolIndex | None = None
 ) -> list[float]:
     engine = SchedulerEngine(coord, [[space]], exists if index is None else _unused, index=index)
-    return _time(partial(engine.longest_hit, hashes, len(hashes) * coord.lcm + 1), reps)
+    lookup = partial(engine.longest_hit, hashes, len(hashes) * coord.lcm + 1)
+    return _time(lookup, reps)
+
+
+def _vllm_local_lookup(block: int, hashes: list[bytes], stored: bool) -> Callable[[], object] | None:
+    """vLLM's own lookup of `hashes` in its prefix cache (every block cached when `stored`); None without vLLM."""
+    try:
+        import torch
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+    except ImportError:
+        return None
+    pool = BlockPool(num_gpu_blocks=len(hashes) + 1, enable_caching=True, hash_block_size=block)
+    if stored:
+        for block_hash, cached in zip(hashes, pool.get_new_blocks(len(hashes))):
+            key = make_block_hash_with_group_id(block_hash, 0)  # type: ignore[arg-type]
+            cached._block_hash = key  # what cache_full_blocks sets; it needs a whole Request to call
+            pool.cached_block_hash_to_block.insert(key, cached)
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    longest = len(hashes) * block - 1
+    lookup = partial(
+        FullAttentionManager.find_longest_cache_hit, cast(Any, hashes), longest, [0], pool, spec, False, block
+    )
+    _, hit = lookup()
+    _expect("vllm_local", hit, (len(hashes) - 1) * block if stored else 0)
+    return lookup
+
+
+def _expect(path: str, hit: int, wanted: int) -> None:
+    """A bench of a lookup that finds the wrong prefix would time the wrong thing."""
+    if hit != wanted:
+        raise AssertionError(f"{path}: the lookup found {hit} tokens; expected {wanted}")
 
 
 def _unused(keys: list[str]) -> list[bool]:
@@ -138,4 +185,9 @@ def print_table(result: dict[str, Any]) -> None:
             str(r["p99_us"]),
         )
     Console().print(table)
+    for ratio in result["embedded_p99_vs_vllm_local"]:
+        Console().print(
+            f"{TARGET_TOKENS} tokens, block {ratio['block_size']}, {ratio['case']}: embedded p99 / vLLM's own "
+            f"local lookup p99 = {ratio['ratio']}"
+        )
     Console().print(f"target: {result['target']}: {'PASS' if result['pass'] else 'FAIL'}")
