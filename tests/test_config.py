@@ -13,6 +13,14 @@ def test_defaults_and_sizes():
     assert parse_size("x", 4096) == 4096
 
 
+def test_exists_before_put_is_automatic_per_pool():
+    assert KVPoolConfig.from_dict({}).exists_before_put()  # embedded: a dict probe that spares a copy
+    mooncake = {"backend": "mooncake", "mooncake": {"master": "127.0.0.1:1"}}
+    assert not KVPoolConfig.from_dict(mooncake).exists_before_put()  # a master round trip, and a lease
+    assert KVPoolConfig.from_dict({**mooncake, "check_exists_before_put": True}).exists_before_put()
+    assert not KVPoolConfig.from_dict({"check_exists_before_put": False}).exists_before_put()
+
+
 @pytest.mark.parametrize(
     ("raw", "key", "allowed"),
     [
@@ -24,6 +32,10 @@ def test_defaults_and_sizes():
         ({"retention_interval": -64}, "retention_interval", "positive token count"),
         ({"lookup_timeout_s": 0}, "lookup_timeout_s", "positive number of seconds"),
         ({"put_batch_chunks": 0}, "put_batch_chunks", "1 to 65536"),
+        ({"check_exists_before_put": "yes"}, "check_exists_before_put", "true, false or null"),
+        ({"save_linger_steps": -1}, "save_linger_steps", "0 to 1024"),
+        ({"save_linger_steps": True}, "save_linger_steps", "0 to 1024"),
+        ({"save_linger_ms": 5000}, "save_linger_ms", "0 to 1000"),
         ({"load_failure_policy": "ignore"}, "load_failure_policy", "recompute or engine"),
         ({"backend": "mooncake", "mooncake": {"master_server_address": "x"}}, "master_server_address", "mooncake"),
         ({"backend": "mooncake", "mooncake": {"global_segment_size": "huge"}}, "global_segment_size", ""),

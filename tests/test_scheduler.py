@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.backends.memory import MemoryBackend
 from kvpool.errors import LayoutError
@@ -263,6 +265,51 @@ def test_deltas_carry_only_what_changed(save_decode: bool) -> None:
     assert sent_hashes == want_save // block  # each hash sent once, only when needed
     assert sent_blocks == len(table) == 25  # each block id sent once
     assert deltas <= 100
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    save_decode=st.booleans(),
+    prompt=st.integers(1, 200),
+    hit_chunks=st.integers(0, 4),
+    steps=st.lists(st.integers(1, 40), min_size=1, max_size=40),
+)
+def test_a_quiet_request_never_had_a_delta_to_send(
+    save_decode: bool, prompt: int, hit_chunks: int, steps: list[int]
+) -> None:
+    """`quiet` lets the adapter skip a running request without building its delta: whenever it says so
+    (and no block was appended), `request_delta` has nothing to send."""
+    block = 16
+    pool = Pool()
+    sched = full_scheduler(pool, SchedulerConfig(save_decode=save_decode), block=block)
+    all_hashes = hashes_for("q", 40)
+    hit = min(hit_chunks * block, (prompt - 1) // block * block)
+    pool.store(sched.namespaces[0], all_hashes, range(hit // block))
+    assert sched.lookup("r", all_hashes[: prompt // block], prompt) == hit
+    sched.on_allocated("r", prompt, 0, hit)
+    computed, known, table = hit, prompt, list(range(1, -(-prompt // block) + 1))
+    first = True
+    for new in steps:
+        new = min(new, known - computed) or 1
+        appended = len(table)
+        while len(table) * block < computed + new:
+            table.append(len(table) + 1)
+        blocks = table[appended:]
+        quiet = not first and not blocks and sched.quiet("r", computed + new)
+        delta = sched.request_delta(
+            "r",
+            num_prompt_tokens=prompt,
+            block_hashes=all_hashes[: max(known, computed + new) // block],
+            computed_before=computed,
+            new_tokens=new,
+            new_blocks=[table] if first else [blocks],
+            whole_table=first,
+        )
+        if quiet:
+            assert delta is None
+        first = False
+        computed += new
+        known = max(known, computed + 1)
 
 
 def test_no_change_no_delta() -> None:

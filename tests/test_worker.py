@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -120,12 +121,13 @@ def test_incremental_saves_store_what_one_save_stores(model_spec, data, put_step
     lengths = [*sorted(steps), final]
     drains = data.draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths)), label="drains")
     rank = data.draw(st.integers(0, put_step - 1), label="rank")
+    linger = data.draw(st.sampled_from([0, 0, 3]), label="linger steps")  # the sender puts several saves as one
     hashes = model.hashes("p", final)
     tables = model.tables(final)
     expected_bytes = model.fill("p", tables, hashes)
 
     incremental, one_shot = RecordingBackend(), RecordingBackend()
-    a = model.engine(incremental, put_step, rank)
+    a = model.engine(incremental, put_step, rank, WorkerConfig(save_linger_steps=linger, save_linger_s=10.0))
     b = model.engine(one_shot, put_step, rank)
     try:
         drive(a, model, "r", hashes, tables, prompt, lengths, drains)
@@ -200,6 +202,55 @@ def test_save_skips_null_and_freed_blocks(closing: list[WorkerEngine]) -> None:
 
 
 # ---- pressure gate and retries ------------------------------------------------------------------
+
+
+def test_small_saves_of_several_steps_go_out_in_one_put(closing: list[WorkerEngine]) -> None:
+    model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=8, save_linger_s=10.0))
+    _, _, expected = add_request(model, engine, "a", 96)
+    _, _, expected_b = add_request(model, engine, "b", 32)
+    engine.save_request("a", 32)
+    engine.save_request("b", 32)
+    engine.save_request("a", 96)
+    time.sleep(0.05)
+    assert backend.put_calls == 0  # held: three steps of one or four chunks are not worth a call each
+    assert engine.stored_tokens("a") == 0
+    assert engine.drain(5)  # a drain sends what is held
+    assert backend.put_calls == 1
+    assert engine.stored_tokens("a") == 96 and engine.stored_tokens("b") == 32
+    for key, value in {**expected, **expected_b}.items():
+        assert backend.stored(key, len(value)) == value  # each chunk's own bytes, whatever it was merged with
+
+
+def test_held_saves_go_after_the_linger_steps_or_time(closing: list[WorkerEngine]) -> None:
+    model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=2, save_linger_s=10.0))
+    add_request(model, engine, "a", 64)
+    engine.save_request("a", 32)
+    engine.save([])  # an engine step with nothing to save
+    engine.save([])
+    deadline = time.monotonic() + 5
+    while backend.put_calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert backend.put_calls == 1  # two steps later, without a drain
+    other, timed, idle = simple(closing, config=WorkerConfig(save_linger_steps=1000, save_linger_s=0.05))
+    add_request(other, idle, "a", 64)
+    began = time.monotonic()
+    idle.save_request("a", 64)  # then the engine stops stepping: the last chunks still go out
+    while timed.put_calls == 0 and time.monotonic() - began < 5:
+        time.sleep(0.005)
+    assert timed.put_calls == 1 and time.monotonic() - began >= 0.05
+
+
+def test_held_saves_from_before_a_reset_are_never_stored(closing: list[WorkerEngine]) -> None:
+    model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=8, save_linger_s=10.0))
+    add_request(model, engine, "a", 64)
+    engine.save_request("a", 32)  # held by the sender
+    engine.handle_step(StepMetadata(reset_epoch=1))
+    add_request(model, engine, "b", 32)
+    engine.save_request("b", 32)  # after the reset: kept
+    assert engine.drain(5)
+    assert backend.put_calls == 1
+    assert sorted(backend.inner.keys()) == sorted(model.key(0, model.hashes("b", 32), c) for c in range(2))
+    assert engine.stored_tokens("b") == 32
 
 
 def test_pressure_gate_drops_queued_saves_then_clears(closing: list[WorkerEngine]) -> None:

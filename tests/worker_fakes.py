@@ -34,6 +34,7 @@ class RecordingBackend:
         self._lock = threading.Lock()
         self.exists_keys: list[str] = []
         self.put_keys: list[str] = []
+        self.put_calls = 0
         self.put_statuses: list[Status | None] = []  # next put calls answer this for every key
         self.gate: threading.Event | None = None  # puts wait for it (while not None)
         self.put_entered = threading.Event()
@@ -50,6 +51,7 @@ class RecordingBackend:
     def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[Status]:
         with self._lock:
             self.put_keys.extend(keys)
+            self.put_calls += 1
             scripted = self.put_statuses.pop(0) if self.put_statuses else None
         self.put_entered.set()
         gate = self.gate

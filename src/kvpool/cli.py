@@ -64,6 +64,33 @@ def bench_store_path(
     _emit(result, as_json, store_path.print_table)
 
 
+@bench_app.command("connector-step")
+def bench_connector_step(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    requests: Annotated[str, typer.Option(help="concurrent requests per cell, comma separated")] = "8,64",
+    contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = "1024,16384,131072",
+    block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,64",
+    steps: Annotated[int, typer.Option(help="decode steps per timed window", min=1)] = 64,
+    backends: Annotated[str, typer.Option(help="memory, mooncake (kvpool) and/or vllm (its own connector)")] = (
+        "memory,mooncake,vllm"
+    ),
+) -> None:
+    """CPU per engine step of the whole connector (scheduler + worker side): kvpool vs vLLM's Mooncake store."""
+    from kvpool.benchmarks import connector_step
+
+    try:
+        result = connector_step.run(
+            requests=_ints("--requests", requests),
+            contexts=_ints("--contexts", contexts),
+            block_sizes=_ints("--block-sizes", block_sizes),
+            steps=steps,
+            backends=[part.strip() for part in backends.split(",") if part.strip()],
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _emit(result, as_json, connector_step.print_table)
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     backend: Annotated[str, typer.Option(help="memory or mooncake")] = "memory",

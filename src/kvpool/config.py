@@ -60,9 +60,11 @@ class KVPoolConfig:
     model_id: str = ""
     lookup_async: bool | None = None  # None: async when lookups leave the process
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
-    check_exists_before_put: bool = True
+    check_exists_before_put: bool | None = None  # None: for the embedded pool only (see exists_before_put)
     put_batch_chunks: int = 64
     save_buffer_bytes: int = 1 << 30
+    save_linger_steps: int = 8
+    save_linger_ms: float = 20.0
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
 
     @classmethod
@@ -90,11 +92,23 @@ class KVPoolConfig:
             from kvpool.backends.mooncake import MooncakeOptions
 
             MooncakeOptions.parse(self.mooncake)
-        for key in ("save_decode", "check_exists_before_put"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(key, getattr(self, key), "true or false")
-        if self.lookup_async is not None and not isinstance(self.lookup_async, bool):
-            raise ConfigError("lookup_async", self.lookup_async, "true, false or null (automatic)")
+        if not isinstance(self.save_decode, bool):
+            raise ConfigError("save_decode", self.save_decode, "true or false")
+        for key in ("lookup_async", "check_exists_before_put"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "true, false or null (automatic)")
+        if (
+            isinstance(self.save_linger_steps, bool)
+            or not isinstance(self.save_linger_steps, int)
+            or not (0 <= self.save_linger_steps <= 1024)
+        ):
+            raise ConfigError("save_linger_steps", self.save_linger_steps, "an integer from 0 to 1024")
+        if (
+            isinstance(self.save_linger_ms, bool)
+            or not isinstance(self.save_linger_ms, (int, float))
+            or not (0 <= self.save_linger_ms <= 1000)
+        ):
+            raise ConfigError("save_linger_ms", self.save_linger_ms, "a number of milliseconds from 0 to 1000")
         if self.retention_interval not in (None, "engine") and (
             isinstance(self.retention_interval, bool)
             or not isinstance(self.retention_interval, int)
@@ -121,6 +135,15 @@ class KVPoolConfig:
             raise ConfigError("put_batch_chunks", self.put_batch_chunks, "an integer from 1 to 65536")
         if self.load_failure_policy not in ("recompute", "engine"):
             raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
+
+    def exists_before_put(self) -> bool:
+        """Whether saves ask the pool which chunks it holds before putting them. Automatic: yes for the
+        embedded pool (a dict probe that spares a copy); no for Mooncake, where the put of a key the
+        pool holds is a no-op, the check is a master round trip that chunks this rank has just computed
+        almost never pass, and each key it finds is leased (pinned) for the lease TTL."""
+        if self.check_exists_before_put is None:
+            return self.backend == "memory"
+        return self.check_exists_before_put
 
     def backend_options(self) -> dict[str, Any]:
         if self.backend == "memory":

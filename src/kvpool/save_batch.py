@@ -42,6 +42,36 @@ class SaveBatch:
     rows: list[int] = field(default_factory=list)  # per item: its row in captured[item.group]
     nbytes: int = 0
 
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @classmethod
+    def merge(cls, batches: Sequence[SaveBatch]) -> SaveBatch:
+        """One batch holding the captured items of `batches`, in order (their host copies are joined:
+        merging pays off for small batches, whose put costs far more than their bytes)."""
+        groups = sorted({group for batch in batches for group in batch.captured or {}})
+        base: dict[int, int] = dict.fromkeys(groups, 0)  # per group: rows of the batches before
+        rows: list[int] = []
+        for batch in batches:
+            if batch.captured is None:
+                raise ValueError(f"save batch {batch.seq} was not captured: only host copies can be merged")
+            rows.extend(base[item.group] + row for item, row in zip(batch.items, batch.rows))
+            for group, copies in batch.captured.items():
+                base[group] += copies.arrays[0].shape[0]
+        captured: dict[int, Rows] = {}
+        for group in groups:
+            parts = [b.captured[group].arrays for b in batches if b.captured is not None and group in b.captured]
+            captured[group] = Rows(tuple(np.concatenate(layers) for layers in zip(*parts)), np.arange(base[group]))
+        return cls(
+            seq=batches[-1].seq,
+            epoch=batches[-1].epoch,
+            ranges=[part for batch in batches for part in batch.ranges],
+            items=[item for batch in batches for item in batch.items],
+            captured=captured,
+            rows=rows,
+            nbytes=sum(batch.nbytes for batch in batches),
+        )
+
     def capture(self, layout: KVLayout) -> None:
         """Copy the batch's blocks out of the engine into host memory the batch owns."""
         groups: dict[int, list[int]] = {}

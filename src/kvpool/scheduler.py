@@ -57,6 +57,7 @@ class _Tracker:
     stored_tokens: int
     sent_hashes: int = 0
     saved_tokens: int = 0
+    save_limit: int = 1 << 62  # saves never go past this (the aligned prompt unless decode KV is saved)
     started: bool = False
     load: LoadSpec | None = None
 
@@ -91,6 +92,7 @@ class SchedulerEngine:
         self._trackers: dict[str, _Tracker] = {}
         self._load_failed: set[str] = set()  # never offer these requests a pool hit again
         self.reset_epoch = 0  # pool resets so far
+        self._lcm = coordinator.lcm
         self._executor: ThreadPoolExecutor | None = None
 
     # ---- lookup -------------------------------------------------------------------------------
@@ -227,6 +229,8 @@ class SchedulerEngine:
             cached = self._lookups.get(req_id)
             stored = cached.hit if cached is not None and cached.future is None else 0
             tracker = self._trackers[req_id] = _Tracker(req_id, num_prompt_tokens, stored)
+            if not self.config.save_decode:
+                tracker.save_limit = self.coordinator.align(num_prompt_tokens)
         return tracker
 
     def request_delta(
@@ -279,6 +283,18 @@ class SchedulerEngine:
         if delta.new_blocks is None and not delta.save_tokens and delta.load is None and not delta.num_prompt_tokens:
             return None
         return delta
+
+    def quiet(self, req_id: str, computed_tokens: int) -> bool:
+        """True when `request_delta` would return None for a step that appends no blocks and leaves the
+        request at most `computed_tokens` computed: the per-step check of a running request is one dict
+        read and two comparisons (most decode steps neither complete a chunk nor allocate a block)."""
+        tracker = self._trackers.get(req_id)
+        return (
+            tracker is not None
+            and tracker.started
+            and tracker.load is None
+            and (tracker.saved_tokens >= tracker.save_limit or computed_tokens < tracker.saved_tokens + self._lcm)
+        )
 
     def started(self, req_id: str) -> bool:
         """Whether the workers hold this request's table (its first delta has been built)."""

@@ -48,6 +48,9 @@ class WorkerConfig:
     # blocks anyway; remote pools get a host copy taken in the step and put by the sender thread
     sync_saves: bool = False
     save_buffer_bytes: int = 1 << 30  # host copies queued for the sender; a step beyond this is not saved
+    # the sender holds small batches for up to this many steps / seconds, to put several in one call
+    save_linger_steps: int = 0
+    save_linger_s: float = 0.0
     # load in the caller's thread: right for an in-process pool, where a load is a memcpy and a loader
     # thread would only wait for the GIL while the engine loop spins; remote pools load on a thread
     sync_loads: bool = False
@@ -124,7 +127,14 @@ class WorkerEngine:
         self._epoch = 0
         self._putting_epoch: int | None = None  # epoch of the batch inside the backend's put, if any
         self._pressure = False
-        self._sender: Sender[SaveBatch] = Sender(self._store, self._drop_batch, self.config.save_buffer_bytes)
+        self._sender: Sender[SaveBatch] = Sender(
+            self._store_batches,
+            self._drop_batch,
+            self.config.save_buffer_bytes,
+            enough_chunks=self.config.put_batch_chunks,
+            linger_steps=self.config.save_linger_steps,
+            linger_s=self.config.save_linger_s,
+        )
         self.loader = Loader(
             backend,
             lambda: self.layout,
@@ -158,6 +168,7 @@ class WorkerEngine:
         The engine's blocks are read before this returns and never again."""
         with self._lock:
             batch = self._plan_batch(deltas)
+        self._sender.step()
         if batch is None:
             return
         if self.config.sync_saves:
@@ -324,6 +335,31 @@ class WorkerEngine:
         if self.tracker is not None:
             self.tracker.stored([item.key for item, status in zip(batch.items, results) if status is Status.OK])
         self._end_batch(batch, results)
+
+    def _store_batches(self, batches: list[SaveBatch]) -> None:
+        """The sender's call: the batches it took together, put as one (the pool's fixed cost per call
+        is paid once); each batch's outcome then moves its own requests' marks."""
+        with self._lock:
+            epoch = self._epoch
+        stale = [batch for batch in batches if batch.epoch != epoch]
+        for batch in stale:  # captured before a reset: never stored
+            self._end_batch(batch, [Status.ERROR] * len(batch.items))
+        current = [batch for batch in batches if batch.epoch == epoch]
+        if len(current) == 1:
+            self._store(current[0])
+        elif current:
+            merged = SaveBatch.merge(current)
+            results = [Status.ERROR] * len(merged.items)
+            try:
+                results = self._put_batch(merged)
+            except Exception:
+                log.exception("save of %d chunks failed", len(merged.items))
+            if self.tracker is not None:
+                self.tracker.stored([item.key for item, status in zip(merged.items, results) if status is Status.OK])
+            first = 0
+            for batch in current:
+                self._end_batch(batch, results[first : first + len(batch.items)])
+                first += len(batch.items)
 
     def _put_batch(self, batch: SaveBatch) -> list[Status]:
         with self._lock:

@@ -360,9 +360,11 @@ class _WorkerSide:
             placements,
             config=WorkerConfig(
                 put_batch_chunks=config.put_batch_chunks,
-                check_exists_before_put=config.check_exists_before_put,
+                check_exists_before_put=config.exists_before_put(),
                 sync_saves=in_process_pool,
                 save_buffer_bytes=config.save_buffer_bytes,
+                save_linger_steps=config.save_linger_steps,
+                save_linger_s=config.save_linger_ms / 1000,
                 sync_loads=in_process_pool,
             ),
             tracker=self.tracker,
@@ -552,6 +554,8 @@ class _SchedulerSide:
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            if blocks is None and core.quiet(req_id, computed + scheduled.get(req_id, 0)) and req_id not in resumed:
+                continue  # most decode steps: nothing to save, no block to add
             request = requests.get(req_id)
             if request is None:
                 continue
