@@ -99,8 +99,8 @@ class Sender(Generic[B]):
         if self.linger_steps:
             with self._lock:
                 self._step += 1
-                if self._queued:
-                    self._wake.notify()
+                if self._queued and self._step - self._held_since[0] == self.linger_steps:
+                    self._wake.notify()  # only when it ends a linger: a wake-up is a thread switch
 
     def drop_queued(self, through_seq: int) -> None:
         """Batches with seq <= through_seq that have not started are dropped, not stored."""

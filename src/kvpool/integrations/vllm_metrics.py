@@ -42,6 +42,7 @@ most once per ``POOL_SAMPLE_INTERVAL_S`` otherwise.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -181,19 +182,26 @@ class KVPoolStats(KVConnectorStats):
 class _Deltas:
     """Delta of selected numeric attributes of a stats object since the previous ``take``."""
 
-    __slots__ = ("_last", "_pairs")
+    __slots__ = ("_keys", "_last", "_read")
 
     def __init__(self, specs: tuple[MetricSpec, ...], baseline: Any = None) -> None:
-        self._pairs = tuple((spec.key, spec.source) for spec in specs)
-        self._last = {key: getattr(baseline, source, 0) if baseline is not None else 0 for key, source in self._pairs}
+        self._keys = tuple(spec.key for spec in specs)
+        sources = [spec.source for spec in specs]
+        # every counter in one C call, so a step where none moved costs one tuple comparison
+        read = operator.attrgetter(*sources)
+        self._read: Any = read if len(sources) > 1 else (lambda source: (read(source),))
+        self._last: tuple[Any, ...] = (
+            tuple(getattr(baseline, source, 0) for source in sources) if baseline is not None else (0,) * len(sources)
+        )
 
     def take(self, source: Any, into: dict[str, int | float]) -> None:
+        values = self._read(source)
         last = self._last
-        for key, attr in self._pairs:
-            value = getattr(source, attr)
-            previous = last[key]
+        if values == last:
+            return
+        self._last = values
+        for key, value, previous in zip(self._keys, values, last):
             if value != previous:
-                last[key] = value
                 # a counter that went down was replaced (new source object): count it from zero
                 delta = value - previous if value > previous else value
                 if delta:
