@@ -1,13 +1,40 @@
-"""The `kvpool` command: demo, bench, master, inspect."""
+"""The `kvpool` command: demo, bench, master.
+
+Exit codes: 0 success; 1 a bench that printed FAIL (unless `--no-fail`) or a demo whose outputs
+differ with the pool; 2 a usage error (a bad option value, named)."""
 
 from __future__ import annotations
 
+import enum
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from kvpool import __version__
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvpool: a KV-cache pool for LLM serving.")
+
+
+class DemoBackend(str, enum.Enum):
+    memory = "memory"
+    mooncake = "mooncake"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvpool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    """kvpool: a KV-cache pool for LLM serving."""
+
 DEFAULT_CONTEXTS = "1024,4096,16384,32768,65536,131072"
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a table or JSON.")
 app.add_typer(bench_app, name="bench")
@@ -23,30 +50,41 @@ def _ints(option: str, text: str) -> list[int]:
     return values
 
 
-def _emit(result: dict, as_json: bool, table: object) -> None:
+NoFail = Annotated[bool, typer.Option("--no-fail", help="exit 0 even when a target is missed")]
+
+
+def _emit(result: dict[str, Any], as_json: bool, table: object, no_fail: bool = False) -> None:
+    """Print the result; a missed target (`pass` false) exits 1 after printing, unless `no_fail`."""
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:
         table_fn = table
         assert callable(table_fn)
         table_fn(result)
+    if result.get("pass") is False and not no_fail:
+        raise typer.Exit(1)
 
 
 @app.command()
 def demo(
-    backend: Annotated[str, typer.Option(help="memory (embedded) or mooncake (a local master it starts)")] = "memory",
+    backend: Annotated[
+        DemoBackend, typer.Option(help="memory (embedded) or mooncake (a local master it starts)")
+    ] = DemoBackend.memory,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
-    """Multi-turn chat workload through a vLLM CPU engine, without and with kvpool."""
+    """Multi-turn chat workload through a vLLM CPU engine, without and with kvpool (exit 1: outputs differ)."""
     from kvpool import demo as demo_module
 
-    result = demo_module.run(backend=backend, quiet=as_json)
+    result = demo_module.run(backend=backend.value, quiet=as_json)
     _emit(result, as_json, demo_module.print_table)
+    if not result["identical_outputs"]:
+        raise typer.Exit(1)
 
 
 @bench_app.command("store-path")
 def bench_store_path(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    no_fail: NoFail = False,
     requests: Annotated[int, typer.Option(help="concurrent requests")] = 8,
     steps: Annotated[int, typer.Option(help="decode steps measured per cell")] = 64,
     contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = DEFAULT_CONTEXTS,
@@ -61,12 +99,13 @@ def bench_store_path(
         requests=requests,
         steps=steps,
     )
-    _emit(result, as_json, store_path.print_table)
+    _emit(result, as_json, store_path.print_table, no_fail)
 
 
 @bench_app.command("connector-step")
 def bench_connector_step(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    no_fail: NoFail = False,
     requests: Annotated[str, typer.Option(help="concurrent requests per cell, comma separated")] = "8,64",
     contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = "1024,16384,131072",
     block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,64",
@@ -88,13 +127,14 @@ def bench_connector_step(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    _emit(result, as_json, connector_step.print_table)
+    _emit(result, as_json, connector_step.print_table, no_fail)
 
 
 @bench_app.command("transfer")
 def bench_transfer(
     backend: Annotated[str, typer.Option(help="memory or mooncake")] = "memory",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    no_fail: NoFail = False,
     pieces: Annotated[str, typer.Option(help="pieces per chunk (layers), comma separated")] = "4,1",
     keys: Annotated[int, typer.Option(help="chunks per batch", min=1)] = 32,
     reps: Annotated[int, typer.Option(help="timed rounds per cell (the median is reported)", min=1)] = 15,
@@ -108,12 +148,13 @@ def bench_transfer(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     result = transfer.run(backend=backend, pieces=counts, keys_per_batch=keys, reps=reps)
-    _emit(result, as_json, transfer.print_table)
+    _emit(result, as_json, transfer.print_table, no_fail)
 
 
 @bench_app.command("lookup")
 def bench_lookup(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    no_fail: NoFail = False,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma separated")] = DEFAULT_CONTEXTS,
     block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,64",
     reps: Annotated[int, typer.Option(help="lookups per cell", min=10)] = 200,
@@ -126,12 +167,13 @@ def bench_lookup(
         contexts=_ints("--contexts", contexts), block_sizes=_ints("--block-sizes", block_sizes), reps=reps,
         mooncake=mooncake,
     )
-    _emit(result, as_json, lookup.print_table)
+    _emit(result, as_json, lookup.print_table, no_fail)
 
 
 @bench_app.command("serve-overhead")
 def bench_serve_overhead(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    no_fail: NoFail = False,
     prompts: Annotated[int, typer.Option(help="prompts per round", min=1)] = 12,
     rounds: Annotated[int, typer.Option(help="rounds", min=1)] = 2,
 ) -> None:
@@ -139,12 +181,13 @@ def bench_serve_overhead(
     from kvpool.benchmarks import serve_overhead
 
     result = serve_overhead.run(prompts=prompts, rounds=rounds)
-    _emit(result, as_json, serve_overhead.print_table)
+    _emit(result, as_json, serve_overhead.print_table, no_fail)
 
 
 @bench_app.command("hang")
 def bench_hang(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    no_fail: NoFail = False,
     prompts: Annotated[int, typer.Option(help="prompts per pass", min=1)] = 8,
     prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt", min=64)] = 512,
     hung_passes: Annotated[int, typer.Option(help="passes while the master is stopped", min=1)] = 2,
@@ -153,7 +196,7 @@ def bench_hang(
     from kvpool.benchmarks import hang
 
     result = hang.run(prompts=prompts, prompt_tokens=prompt_tokens, hung_passes=hung_passes)
-    _emit(result, as_json, hang.print_table)
+    _emit(result, as_json, hang.print_table, no_fail)
 
 
 @app.command()

@@ -93,7 +93,7 @@ def test_cli_json(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool.cli import app
 
     monkeypatch.setattr(transfer, "run", functools.partial(transfer.run, **TINY))
-    outcome = CliRunner().invoke(app, ["bench", "transfer", "--backend", "memory", "--json"])
+    outcome = CliRunner().invoke(app, ["bench", "transfer", "--backend", "memory", "--json", "--no-fail"])
     assert outcome.exit_code == 0, outcome.output
     check_shape(json.loads(outcome.output), "memory")
 
@@ -111,7 +111,8 @@ def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.Mo
         return real_run(chunk_sizes=(64 * KiB,), **{**kwargs, "reps": 1, "min_sample_s": 0.0})
 
     monkeypatch.setattr(transfer, "run", fake_run)
-    outcome = CliRunner().invoke(app, ["bench", "transfer", "--json", "--pieces", "16,2", "--keys", "3", "--reps", "2"])
+    flags = ["--json", "--no-fail", "--pieces", "16,2", "--keys", "3", "--reps", "2"]
+    outcome = CliRunner().invoke(app, ["bench", "transfer", *flags])
     assert outcome.exit_code == 0, outcome.output
     assert seen == {"backend": "memory", "pieces": [16, 2], "keys_per_batch": 3, "reps": 2}
     assert {row["pieces"] for row in json.loads(outcome.output)["results"]} == {16, 2}
