@@ -85,14 +85,21 @@ def test_reports_from_before_a_reset_are_ignored() -> None:
 
 @given(
     ops=st.lists(
-        st.tuples(st.sampled_from(["put", "remove", "clear", "report"]), st.integers(0, 2), st.integers(0, 11)),
+        st.tuples(
+            st.sampled_from(["put", "put", "remove", "clear", "report"]),
+            st.integers(0, 2),
+            st.integers(0, 11),
+            st.booleans(),
+        ),
         max_size=80,
     )
 )
-@settings(max_examples=200, deadline=None)
-def test_the_index_equals_what_the_pools_hold(ops: list[tuple[str, int, int]]) -> None:
+@settings(max_examples=300, deadline=None)
+def test_the_index_equals_what_the_pools_hold(ops: list[tuple[str, int, int, bool]]) -> None:
     """Three ranks (one shard, replicated) with small LRU pools; after every report the index says a
-    chunk is present exactly when every rank's pool holds it."""
+    chunk is present exactly when every rank's pool holds it, and a prompt's leading run (the binary
+    search over chained chunks, then the scan) is the run of chunks every pool holds. Chunks 0..11 are
+    one chain; a put reports its parent or not (a chunk found in a pool has no known parent)."""
     ns = space(0)
     index = PoolIndex([[ns]], ranks_per_namespace=3)
     pools = [MemoryBackend(8 * 4) for _ in range(3)]  # 4 chunks each: puts evict
@@ -106,11 +113,12 @@ def test_the_index_equals_what_the_pools_hold(ops: list[tuple[str, int, int]]) -
             if report is not None:
                 index.apply(report)
 
-    for op, rank, i in ops:
+    prompt = [chunk(c) for c in range(12)]
+    for op, rank, i, linked in ops:
         key = ns.key(chunk(i))
         if op == "put":
             pools[rank].put([key], value())
-            trackers[rank].stored([key])
+            trackers[rank].stored([key], [(chunk(i - 1) if i else b"") if linked else None])
         elif op == "remove":
             pools[rank].remove([key])
         elif op == "clear":
@@ -118,7 +126,11 @@ def test_the_index_equals_what_the_pools_hold(ops: list[tuple[str, int, int]]) -
         else:
             report_all()
             truth = [all(pool.exists([ns.key(chunk(c))])[0] for pool in pools) for c in range(12)]
-            assert index.present(0, [chunk(c) for c in range(12)]) == truth
+            assert index.present(0, prompt) == truth
+            run = truth.index(False) if False in truth else len(truth)
+            assert index.leading(0, prompt) == run
+            for start in range(12):  # another prompt that shares the chain's first `start` chunks
+                assert index.leading(0, [*prompt[:start], chunk(100 + start)]) == min(run, start)
 
 
 @given(
@@ -152,3 +164,44 @@ def test_the_full_attention_fast_path_equals_the_general_lookup(data: st.DataObj
     fast = SchedulerEngine(coord, spaces, pool.exists, index=index)
     general = SchedulerEngine(coord, spaces, pool.exists)
     assert fast.longest_hit(hashes, tokens) == general.longest_hit(hashes, tokens)
+
+
+def test_a_dropped_head_unchains_everything_after_it_and_its_return_rechains_them() -> None:
+    ns = space(0)
+    index = PoolIndex([[ns]])
+    prompt = [chunk(c) for c in range(6)]
+    parents = {h: (prompt[c - 1] if c else b"") for c, h in enumerate(prompt)}
+    index.apply(PoolReport(0, 0, stored={ns.prefix: prompt}, parents={ns.prefix: parents}))
+    assert index.leading(0, prompt) == 6
+    index.apply(PoolReport(0, 0, dropped={ns.prefix: [prompt[2]]}))
+    assert index.leading(0, prompt) == 2  # chunks 3..5 are held, but the search must not land past 2
+    index.apply(PoolReport(0, 0, stored={ns.prefix: [prompt[2]]}, parents={ns.prefix: {prompt[2]: prompt[1]}}))
+    assert index.leading(0, prompt) == 6
+    index.apply(PoolReport(0, 0, dropped={ns.prefix: [prompt[0]]}))
+    assert index.leading(0, prompt) == 0
+
+
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(["put", "put", "put", "remove", "report"]), st.integers(0, 7)), max_size=60)
+)
+@settings(max_examples=300, deadline=None)
+def test_one_rank_chains_follow_its_pool(ops: list[tuple[str, int]]) -> None:
+    """One rank, a pool that holds the whole 8-chunk chain: heads come and go under the chunks after them."""
+    ns = space(0)
+    index = PoolIndex([[ns]])
+    pool = MemoryBackend(8 * 8)
+    tracker = PoolTracker(0, [ns], [])
+    pool.add_listener(tracker.dropped)
+    prompt = [chunk(c) for c in range(8)]
+    for op, i in ops:
+        key = ns.key(prompt[i])
+        if op == "put":
+            pool.put([key], value())
+            tracker.stored([key], [prompt[i - 1] if i else b""])
+        elif op == "remove":
+            pool.remove([key])
+        report = tracker.take_report()
+        if report is not None:
+            index.apply(report)
+        truth = pool.exists(ns.keys(prompt))
+        assert index.leading(0, prompt) == (truth.index(False) if False in truth else 8)

@@ -16,6 +16,7 @@ class ChunkRef(NamedTuple):
     chunk: int
     block_id: int
     key: str
+    parent: bytes | None = None  # saves: the chunk hash before it in its chain (b"": the first); loads: None
 
 
 def chunk_range(

@@ -14,6 +14,14 @@ a reset are ignored.
 
 The same transitions are the pool's KV events: a chunk is announced once every rank that must hold
 it does, in every namespace of its group, and withdrawn when any of them drops it.
+
+Chains. A chunk hash names its whole prefix, so each chunk has one parent (the chunk before it; b""
+for a first chunk), and the workers report it with each save. Per namespace the index keeps the set
+of *chained* chunks: present, with every ancestor present too. Invariant: a chunk is chained iff it
+is present and its parent is b"" or chained. Along any prompt, chained chunks are therefore a prefix,
+so a full-attention lookup binary-searches them (11 probes for 2048 chunks) and scans on from there
+only through chunks whose chain is not known (a pool that held them before this index existed). The
+chained set only has to be sound, never complete: the scan finds the rest.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class PoolReport:
     epoch: int
     stored: dict[str, list[bytes]] = field(default_factory=dict)  # namespace prefix -> chunk hashes now held
     dropped: dict[str, list[bytes]] = field(default_factory=dict)  # namespace prefix -> chunk hashes gone
+    parents: dict[str, dict[bytes, bytes]] = field(default_factory=dict)  # prefix -> chunk -> its parent
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,8 @@ class PoolEvent:
 class PoolTracker:
     """Worker side: what this rank's pool holds in the rank's namespaces, as reports for the scheduler.
 
+    A report is the net change since the previous one (a key stored and evicted in between is not in
+    it): the index counts ranks per chunk, so it must see each rank's transitions exactly.
     Thread-safe: saves report from the engine thread or the sender, the pool reports removals from
     whichever thread evicts."""
 
@@ -56,8 +67,8 @@ class PoolTracker:
         self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
         self._lock = threading.Lock()
         self._held: set[str] = set()
-        self._stored: dict[str, list[bytes]] = {}
-        self._dropped: dict[str, list[bytes]] = {}
+        self._changed: dict[str, bool] = {}  # key -> whether it was held at the previous report
+        self._links: dict[str, bytes] = {}  # key -> its chunk's parent hash, learned since that report
         self.epoch = 0
         self.stored(pool_keys)  # what the pool already holds (a pool outliving an earlier engine)
 
@@ -67,40 +78,112 @@ class PoolTracker:
                 return prefix, bytes.fromhex(key[len(prefix) :])
         return None
 
-    def stored(self, keys: Sequence[str]) -> None:
-        """These keys are now in the pool (put, or found there)."""
+    def stored(self, keys: Sequence[str], parents: Sequence[bytes | None] | None = None) -> None:
+        """These keys are now in the pool (put, or found there); `parents[i]`, when known, is the chunk
+        hash before key i's chunk in its chain (b"": the first chunk)."""
         with self._lock:
-            for key in keys:
+            for index, key in enumerate(keys):
                 if key not in self._held:
-                    named = self._split(key)
-                    if named is not None:
-                        self._held.add(key)
-                        self._stored.setdefault(named[0], []).append(named[1])
+                    if self._split(key) is None:
+                        continue  # another engine's namespace
+                    self._changed.setdefault(key, False)
+                    self._held.add(key)
+                parent = parents[index] if parents is not None else None
+                if parent is not None:
+                    self._links[key] = parent
 
     def dropped(self, keys: Sequence[str]) -> None:
         """These keys left the pool (evicted, removed, cleared)."""
         with self._lock:
             for key in keys:
                 if key in self._held:
+                    self._changed.setdefault(key, True)
                     self._held.discard(key)
-                    prefix, chunk_hash = self._split(key)  # type: ignore[misc]
-                    self._dropped.setdefault(prefix, []).append(chunk_hash)
 
     def reset(self, epoch: int) -> None:
-        """The pool was emptied for a reset: what is held from now on belongs to `epoch`."""
+        """The pool was emptied for a reset: what is held from now on belongs to `epoch` (whose index
+        starts empty)."""
         with self._lock:
             self.epoch = epoch
             self._held.clear()
-            self._stored.clear()
-            self._dropped.clear()
+            self._changed.clear()
+            self._links.clear()
 
     def take_report(self) -> PoolReport | None:
         with self._lock:
-            if not (self._stored or self._dropped):
+            if not (self._changed or self._links):
                 return None
-            report = PoolReport(self.rank, self.epoch, self._stored, self._dropped)
-            self._stored, self._dropped = {}, {}
+            report = PoolReport(self.rank, self.epoch)
+            for key, was_held in self._changed.items():
+                if (key in self._held) != was_held:
+                    prefix, chunk_hash = self._split(key)  # type: ignore[misc]
+                    (report.dropped if was_held else report.stored).setdefault(prefix, []).append(chunk_hash)
+            for key, parent in self._links.items():
+                if key in self._held:
+                    prefix, chunk_hash = self._split(key)  # type: ignore[misc]
+                    report.parents.setdefault(prefix, {})[chunk_hash] = parent
+            self._changed, self._links = {}, {}
+        if not (report.stored or report.dropped or report.parents):
+            return None
         return report
+
+
+class _Chains:
+    """One namespace's chains: parent links of the chunks some rank holds, and the chained set."""
+
+    __slots__ = ("chained", "children", "parent")
+
+    def __init__(self) -> None:
+        self.parent: dict[bytes, bytes] = {}
+        self.children: dict[bytes, list[bytes]] = {}
+        self.chained: set[bytes] = set()
+
+    def link(self, chunk_hash: bytes, parent: bytes) -> bool:
+        """Learn a chunk's parent; True when it was not known."""
+        if chunk_hash in self.parent:
+            return False
+        self.parent[chunk_hash] = parent
+        self.children.setdefault(parent, []).append(chunk_hash)
+        return True
+
+    def unlink(self, chunk_hash: bytes) -> None:
+        """No rank holds the chunk any more: forget its link (its children keep theirs to it)."""
+        parent = self.parent.pop(chunk_hash, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            siblings.remove(chunk_hash)
+            if not siblings:
+                del self.children[parent]
+
+    def extend(self, chunk_hash: bytes, present: Callable[[bytes], bool]) -> None:
+        """The chunk became present or learned its parent: chain it, and the present descendants it
+        was the missing link of."""
+        stack = [chunk_hash]
+        chained, parent_of, children = self.chained, self.parent, self.children
+        while stack:
+            h = stack.pop()
+            if h in chained or not present(h):
+                continue
+            parent = parent_of.get(h)
+            if parent is None or (parent and parent not in chained):
+                continue
+            chained.add(h)
+            stack.extend(children.get(h, ()))
+
+    def cut(self, chunk_hash: bytes) -> None:
+        """The chunk stopped being present: it and every chained descendant stop being chained."""
+        stack = [chunk_hash]
+        chained, children = self.chained, self.children
+        while stack:
+            h = stack.pop()
+            if h in chained:
+                chained.discard(h)
+                stack.extend(children.get(h, ()))
+
+    def clear(self) -> None:
+        self.parent.clear()
+        self.children.clear()
+        self.chained.clear()
 
 
 class PoolIndex:
@@ -114,6 +197,7 @@ class PoolIndex:
         self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
         self.needed = ranks_per_namespace
         self._counts: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}
+        self._chains: dict[str, _Chains] = {prefix: _Chains() for prefix in self._group_of}
         self.epoch = 0
         self.track_events = False
         self._events: list[PoolEvent] = []
@@ -128,31 +212,45 @@ class PoolIndex:
         return [all(held.get(h, 0) >= needed for held in counts) for h in chunk_hashes]
 
     def leading(self, group: int, chunk_hashes: Sequence[bytes]) -> int:
-        """How many chunks from the first on are present (full attention's whole question). One pass in C
-        while they are present; Python only from the first miss, which an all-miss finds at once."""
+        """How many chunks from the first on are present (full attention's whole question): a binary
+        search of the chained chunks, then a scan in C from there while chunks are present (chunks whose
+        chain is not known); Python only from the first miss."""
         needed = self.needed
         run = len(chunk_hashes)
         for prefix in self.group_prefixes[group]:
+            chained = self._chains[prefix].chained
+            lo, hi = 0, run
+            while lo < hi:  # the first chunk that is not chained; chained chunks are a prefix of any prompt
+                mid = (lo + hi) // 2
+                if chunk_hashes[mid] in chained:
+                    lo = mid + 1
+                else:
+                    hi = mid
             present = _holder(self._counts[prefix], needed)
-            if not all(map(present, islice(chunk_hashes, run))):
-                run = next(i for i, h in enumerate(islice(chunk_hashes, run)) if not present(h))
+            if not all(map(present, islice(chunk_hashes, lo, run))):
+                run = next(i for i, h in enumerate(islice(chunk_hashes, lo, run), lo) if not present(h))
         return run
 
     def apply(self, report: PoolReport) -> None:
         if report.epoch != self.epoch:
             return  # from before a reset (its chunks were dropped with the pool), or not yet
+        needed = self.needed
         for prefix, hashes in report.dropped.items():
             held = self._counts.get(prefix)
             if held is None:
                 continue
+            chains = self._chains[prefix]
             for h in hashes:
                 count = held.get(h, 0)
                 if count <= 0:
                     continue
-                if self.track_events and count == self.needed and self._complete(prefix, h):
-                    self._events.append(PoolEvent(self._group_of[prefix], h, False))
+                if count == needed:
+                    chains.cut(h)
+                    if self.track_events and self._complete(prefix, h):
+                        self._events.append(PoolEvent(self._group_of[prefix], h, False))
                 if count == 1:
                     del held[h]
+                    chains.unlink(h)
                 else:
                     held[h] = count - 1
         for prefix, hashes in report.stored.items():
@@ -161,8 +259,26 @@ class PoolIndex:
                 continue
             for h in hashes:
                 count = held[h] = held.get(h, 0) + 1
-                if self.track_events and count == self.needed and self._complete(prefix, h):
+                if self.track_events and count == needed and self._complete(prefix, h):
                     self._events.append(PoolEvent(self._group_of[prefix], h, True))
+        for prefix, links in report.parents.items():
+            held = self._counts.get(prefix)
+            if held is None:
+                continue
+            chains = self._chains[prefix]
+            present = _holder(held, needed)
+            for h, parent in links.items():
+                if h in held and chains.link(h, parent):
+                    chains.extend(h, present)
+        for prefix, hashes in report.stored.items():
+            held = self._counts.get(prefix)
+            if held is None:
+                continue
+            chains = self._chains[prefix]
+            present = _holder(held, needed)
+            for h in hashes:
+                if held.get(h, 0) >= needed:
+                    chains.extend(h, present)
 
     def _complete(self, prefix: str, chunk_hash: bytes) -> bool:
         """Is the chunk held by every rank in every namespace of its group (counting `prefix` as full)?"""
@@ -181,6 +297,8 @@ class PoolIndex:
                         self._events.append(PoolEvent(group, h, False))
         for held in self._counts.values():
             held.clear()
+        for chains in self._chains.values():
+            chains.clear()
         self.epoch = epoch
 
     def take_events(self) -> list[PoolEvent]:

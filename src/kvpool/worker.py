@@ -269,7 +269,8 @@ class WorkerEngine:
                 if block_id == NULL_BLOCK_ID or chunk < first_live:
                     self.stats.chunks_unreadable += 1
                     continue
-                items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk])))
+                parent = hashes[chunk - 1] if chunk else b""
+                items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk]), parent))
         return items
 
     def preempt(self, req_ids: Iterable[str]) -> None:
@@ -332,8 +333,7 @@ class WorkerEngine:
             results = self._put_batch(batch)
         except Exception:
             log.exception("save of %d chunks failed", len(batch.items))
-        if self.tracker is not None:
-            self.tracker.stored([item.key for item, status in zip(batch.items, results) if status is Status.OK])
+        self._track_stored(batch.items, results)
         self._end_batch(batch, results)
 
     def _store_batches(self, batches: list[SaveBatch]) -> None:
@@ -354,12 +354,16 @@ class WorkerEngine:
                 results = self._put_batch(merged)
             except Exception:
                 log.exception("save of %d chunks failed", len(merged.items))
-            if self.tracker is not None:
-                self.tracker.stored([item.key for item, status in zip(merged.items, results) if status is Status.OK])
+            self._track_stored(merged.items, results)
             first = 0
             for batch in current:
                 self._end_batch(batch, results[first : first + len(batch.items)])
                 first += len(batch.items)
+
+    def _track_stored(self, items: list[ChunkRef], results: list[Status]) -> None:
+        if self.tracker is not None:
+            stored = [item for item, status in zip(items, results) if status is Status.OK]
+            self.tracker.stored([item.key for item in stored], [item.parent for item in stored])
 
     def _put_batch(self, batch: SaveBatch) -> list[Status]:
         with self._lock:

@@ -82,8 +82,9 @@ def _cells(block: int, tokens: int, reps: int, backend: Any) -> list[dict[str, A
     rows = []
     for stored in (True, False):
         index = PoolIndex([[space]])
-        if stored:
-            index.apply(PoolReport(0, 0, stored={space.prefix: hashes}))
+        if stored:  # as the workers report a save: each chunk with its parent in the chain
+            parents = {h: hashes[i - 1] if i else b"" for i, h in enumerate(hashes)}
+            index.apply(PoolReport(0, 0, stored={space.prefix: hashes}, parents={space.prefix: parents}))
         rows.append(_row("embedded", block, tokens, stored, _lookups(coord, space, index.present, hashes, reps, index)))
         found = SchedulerEngine(coord, [[space]], _unused, index=index).longest_hit(hashes, tokens + 1)
         _expect("embedded", found, tokens if stored else 0)
