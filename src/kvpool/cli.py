@@ -201,12 +201,43 @@ def bench_hang(
 
 @app.command()
 def master(
-    rpc_port: Annotated[int, typer.Option(help="RPC port on 127.0.0.1")] = 50051,
+    host: Annotated[str, typer.Option(help="address the master serves on (clients must reach it)")] = "127.0.0.1",
+    rpc_port: Annotated[int, typer.Option(help="RPC port", min=1, max=65535)] = 50051,
+    metrics_port: Annotated[int, typer.Option(help="admin/metrics HTTP port (0: a free one)", min=0, max=65535)] = 0,
+    eviction_high_watermark: Annotated[
+        float, typer.Option(help="pool usage that starts eviction, a fraction", min=0.05, max=1.0)
+    ] = 0.9,
+    eviction_ratio: Annotated[
+        float, typer.Option(help="extra fraction of the pool freed by each eviction", min=0.0, max=0.5)
+    ] = 0.05,
+    lease_ttl_ms: Annotated[
+        int, typer.Option(help="how long a read or existence check pins an object, in ms", min=1)
+    ] = 10_000,
+    client_ttl_s: Annotated[
+        int, typer.Option(help="how long a silent client's segment is kept, in seconds", min=1)
+    ] = 10,
 ) -> None:
-    """Start a local mooncake_master on 127.0.0.1 and print the kvpool config to use."""
+    """Start a mooncake_master, print the kvpool config to paste, serve until Ctrl-C or SIGTERM."""
     from kvpool.mooncake_master import run_master_forever
 
-    run_master_forever(rpc_port=rpc_port)
+    raise typer.Exit(
+        run_master_forever(
+            rpc_port=rpc_port,
+            metrics_port=metrics_port,
+            host=host,
+            extra_args=master_flags(eviction_high_watermark, eviction_ratio, lease_ttl_ms, client_ttl_s),
+        )
+    )
+
+
+def master_flags(high_watermark: float, eviction_ratio: float, lease_ttl_ms: int, client_ttl_s: int) -> list[str]:
+    """`kvpool master`'s pool settings as `mooncake_master` flags."""
+    return [
+        f"--eviction_high_watermark_ratio={high_watermark}",
+        f"--eviction_ratio={eviction_ratio}",
+        f"--default_kv_lease_ttl={lease_ttl_ms}",
+        f"--client_ttl={client_ttl_s}",
+    ]
 
 
 def main() -> None:

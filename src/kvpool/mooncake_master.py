@@ -220,6 +220,8 @@ def run_master_forever(
             f"mooncake_master serving at {master.address} (admin http://{master._url_host()}:{master.metrics_port})",
             file=out,
         )
+        if extra_args:
+            print(f"mooncake_master flags: {' '.join(extra_args)}", file=out)
         print(f"kvpool config: {master.config_line()}", file=out, flush=True)
         while master.running():
             time.sleep(0.5)

@@ -44,29 +44,18 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
+from kvpool.benchmarks.vllm_workload import ConnectorPair, Workload
+
 BACKENDS = ("memory", "mooncake", "vllm")
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-HEAD_SIZE = 4
 WARMUP_STEPS = 4
 WINDOWS = 3  # consecutive timed windows of `steps` steps per cell; the cheapest is reported (noise only adds)
 DRAIN_TIMEOUT_S = 60.0
-LOOKUP_TIMEOUT_S = 10.0
 TARGET_SPEEDUP_MIN = 3.0
 TARGET_FLATNESS_MAX = 1.5
-
-
-class _Pair(Protocol):
-    scheduler: Any
-    worker: Any
-
-    def drain(self, timeout_s: float) -> None: ...
-    def stored(self, hashes: list[bytes]) -> int: ...
-    def close(self) -> None: ...
 
 
 class _KVPoolPair:
@@ -106,131 +95,7 @@ class _KVPoolPair:
             backend.clear()  # the named pool outlives the connector: free its bytes now
 
 
-class _Workload:
-    """One cell's engine state: a real KVCacheManager, real Requests, vLLM-layout CPU KV tensors."""
-
-    def __init__(self, vllm_config: Any, block_size: int, context: int, requests: int, steps: int, seed: int):
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.request import Request
-
-        self.block_size = block_size
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=HEAD_SIZE, dtype=torch.bfloat16)
-        total = context + WARMUP_STEPS + WINDOWS * steps + 1
-        num_blocks = requests * (-(-total // block_size) + 1) + 1  # block 0 is vLLM's null block
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)]
-        )
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.manager = KVCacheManager(
-            self.kv_cache_config, max_model_len=total, scheduler_block_size=block_size, hash_block_size=block_size
-        )
-        self.kv_caches = {
-            name: torch.zeros((num_blocks, 1, block_size, 2 * HEAD_SIZE), dtype=torch.bfloat16) for name in LAYERS
-        }
-        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        hasher = get_request_block_hasher(block_size, hash_fn)
-        rng = np.random.default_rng(seed)
-        params = SamplingParams(max_tokens=total)
-        self.requests = [
-            Request(
-                f"req-{seed}-{r}",
-                rng.integers(3, 250, size=context - r * block_size // requests).tolist(),
-                params,
-                None,
-                cache_salt=f"{seed}-{r}",
-                block_hasher=hasher,
-            )
-            for r in range(requests)
-        ]
-        self.saved_from = [0] * requests
-
-    def admit(self, pair: _Pair) -> Any:
-        """A waiting request's path through vLLM's scheduler, for every request; the prefill's output."""
-        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
-
-        new_reqs = []
-        for request in self.requests:
-            pair.scheduler.on_new_request(request)
-            computed, num_computed, _ = self.manager.get_computed_blocks(request)
-            deadline = time.monotonic() + LOOKUP_TIMEOUT_S
-            while (matched := pair.scheduler.get_num_new_matched_tokens(request, num_computed))[0] is None:
-                if time.monotonic() > deadline:  # an async lookup: vLLM asks again next step
-                    raise TimeoutError(f"no lookup answer for {request.request_id}")
-                time.sleep(0.001)
-            external = matched[0] or 0
-            blocks = self.manager.allocate_slots(
-                request,
-                request.num_tokens - num_computed - external,
-                num_new_computed_tokens=num_computed,
-                new_computed_blocks=computed,
-                num_external_computed_tokens=external,
-            )
-            assert blocks is not None, "the KV cache was sized for every request"
-            pair.scheduler.update_state_after_alloc(request, self.manager.get_blocks(request.request_id), external)
-            new_reqs.append(NewRequestData.from_request(request, blocks.get_block_ids()))
-        scheduled = {r.request_id: r.num_tokens - r.num_computed_tokens for r in self.requests}
-        return self._output(new_reqs, CachedRequestData.make_empty(), scheduled)
-
-    def schedule(self) -> Any:
-        """One decode step's SchedulerOutput: a token per request, blocks allocated as vLLM does."""
-        from vllm.v1.core.sched.output import CachedRequestData
-
-        new_block_ids = []
-        for request in self.requests:
-            blocks = self.manager.allocate_slots(request, 1)
-            assert blocks is not None
-            new_block_ids.append(blocks.get_block_ids(allow_none=True))
-        cached = CachedRequestData(
-            req_ids=[r.request_id for r in self.requests],
-            resumed_req_ids=set(),
-            new_token_ids=[],
-            all_token_ids={},
-            new_block_ids=new_block_ids,
-            num_computed_tokens=[r.num_computed_tokens for r in self.requests],
-            num_output_tokens=[r.num_output_tokens for r in self.requests],
-        )
-        return self._output([], cached, {r.request_id: 1 for r in self.requests})
-
-    def _output(self, new_reqs: list[Any], cached: Any, scheduled: dict[str, int]) -> Any:
-        from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
-
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=sum(scheduled.values()),
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            finished_req_ids=set(),
-            free_encoder_mm_hashes=[],
-            kv_connector_block_state=KVConnectorBlockState(
-                req_ids=set(scheduled), resolve_block_ids=self.manager.get_block_ids, boundary_state_offloads={}
-            ),
-        )
-
-    def advance(self, output: Any) -> None:
-        """After the model step: computed tokens move on and each request samples one token."""
-        for request in self.requests:
-            request.num_computed_tokens += output.num_scheduled_tokens[request.request_id]
-            request.append_output_token_ids(int(request.num_tokens % 200) + 3)
-
-    def mark_saved(self) -> None:
-        self.saved_from = [len(r.block_hashes) for r in self.requests]
-
-    def hashes_since_mark(self) -> list[bytes]:
-        """Block hashes of the blocks whose KV was computed since `mark_saved` (the decode steps)."""
-        out: list[bytes] = []
-        for request, first in zip(self.requests, self.saved_from):
-            out.extend(request.block_hashes[first : request.num_computed_tokens // self.block_size])
-        return out
-
-
-def _step(pair: _Pair, workload: _Workload, output: Any, acc: dict[str, float] | None) -> None:
+def _step(pair: ConnectorPair, workload: Workload, output: Any, acc: dict[str, float] | None) -> None:
     """One engine step through both roles; `acc` adds the main thread's CPU of each side (None: untimed).
     The connectors' own threads (senders, pool clients) are counted by the window (`_window`)."""
     from vllm.v1.outputs import KVConnectorOutput
@@ -280,7 +145,7 @@ def _step(pair: _Pair, workload: _Workload, output: Any, acc: dict[str, float] |
     workload.advance(output)
 
 
-def _window(pair: _Pair, workload: _Workload, steps: int) -> dict[str, float]:
+def _window(pair: ConnectorPair, workload: Workload, steps: int) -> dict[str, float]:
     """`steps` timed steps, then a drain of the connector's threads. What they used (process CPU beyond
     the main thread's) is worker-side work: vLLM's sending thread and kvpool's sender both serve
     `wait_for_save`. A sender may put several steps' chunks in one call; the drain makes the window pay
@@ -300,8 +165,8 @@ def _window(pair: _Pair, workload: _Workload, steps: int) -> dict[str, float]:
 def _run_cell(
     factory: Any, vllm_config: Any, block_size: int, context: int, requests: int, steps: int, seed: int
 ) -> dict[str, Any]:
-    workload = _Workload(vllm_config, block_size, context, requests, steps, seed)
-    pair: _Pair = factory(vllm_config, workload.kv_cache_config, workload.kv_caches)
+    workload = Workload(vllm_config, block_size, context, requests, WARMUP_STEPS + WINDOWS * steps, seed)
+    pair: ConnectorPair = factory(vllm_config, workload.kv_cache_config, workload.kv_caches)
     try:
         pair.scheduler.bind_kv_cache_manager(workload.manager)
         _step(pair, workload, workload.admit(pair), None)  # prefill: stores every prompt
