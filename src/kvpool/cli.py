@@ -1,4 +1,4 @@
-"""The `kvpool` command: demo, bench, master.
+"""The `kvpool` command: demo, bench, master, segment.
 
 Exit codes: 0 success; 1 a bench that printed FAIL (unless `--no-fail`) or a demo whose outputs
 differ with the pool; 2 a usage error (a bad option value, named)."""
@@ -228,6 +228,32 @@ def master(
             extra_args=master_flags(eviction_high_watermark, eviction_ratio, lease_ttl_ms, client_ttl_s),
         )
     )
+
+
+@app.command()
+def segment(
+    master: Annotated[str, typer.Argument(help="the master's HOST:PORT (as `kvpool master` prints it)")],
+    size: Annotated[str, typer.Option(help="memory this host gives the pool: bytes, or '4GiB', '512MB'")] = "4GiB",
+    local_hostname: Annotated[str, typer.Option(help="this host's address, as the other clients reach it")] = (
+        "127.0.0.1"
+    ),
+    protocol: Annotated[str, typer.Option(help="Mooncake transfer protocol: tcp or rdma")] = "tcp",
+    until_stdin_closes: Annotated[
+        bool, typer.Option("--until-stdin-closes", help="also stop when standard input ends (for a parent process)")
+    ] = False,
+) -> None:
+    """Hold a Mooncake segment: give the pool memory on this host until Ctrl-C or SIGTERM (a clean close
+    takes the segment and its objects out of the pool)."""
+    from kvpool.errors import ConfigError
+    from kvpool.segment_holder import serve_segment
+
+    try:
+        code = serve_segment(
+            master, size, local_hostname=local_hostname, protocol=protocol, until_stdin_closes=until_stdin_closes
+        )
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    raise typer.Exit(code)
 
 
 def master_flags(high_watermark: float, eviction_ratio: float, lease_ttl_ms: int, client_ttl_s: int) -> list[str]:

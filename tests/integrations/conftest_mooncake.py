@@ -53,49 +53,6 @@ def read_ready(process: subprocess.Popen[str], what: str, timeout_s: float = REA
             seen += data
 
 
-class SegmentHolder:
-    """A child process whose Mooncake client contributes a segment to the pool (mooncake-store.md §10)."""
-
-    def __init__(self, master_address: str, segment_bytes: int) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(DRIVER), "holder", master_address, str(segment_bytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=child_env(),
-        )
-        try:
-            read_ready(self.process, "segment holder")
-        except BaseException:
-            self.kill()
-            raise
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """Clean close: the segment (and every object on it) leaves the pool."""
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL: the owner dies without unmounting its segment."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-
-    def __enter__(self) -> SegmentHolder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-        if self.process.stdin is not None and not self.process.stdin.closed:
-            self.process.stdin.close()
-
-
 def mooncake_connector(master: Any, **mooncake: Any) -> dict[str, Any]:
     """kv_transfer_config for the kvpool connector on `master` (extra kvpool keys via `kvpool=`)."""
     extra = mooncake.pop("kvpool", {})

@@ -1,10 +1,5 @@
 """Child processes of the Mooncake end-to-end tests (run as a script; also imported by the tests).
 
-    python mooncake_driver.py holder MASTER SEGMENT_BYTES
-        A standalone segment holder: a Mooncake client contributing SEGMENT_BYTES to the pool, so KV
-        outlives the engines that wrote it (mooncake-store.md §10). Prints "ready", then holds the
-        segment until its stdin closes (clean close) or it is killed (SIGKILL: the segment's owner dies).
-
     python mooncake_driver.py engine SPEC_JSON OUT_JSON
         One in-process vLLM CPU engine with the kvpool connector: greedy-decodes the prompts of the
         spec and writes the results and the worker's stats.
@@ -169,17 +164,6 @@ def _tp_rank_main(master: str, rank: int, put_step: int, out: str) -> None:
 # ---------------------------------------------------------------------------------------- holder
 
 
-def _holder_main(master: str, segment_bytes: int) -> None:
-    from kvpool.backends.mooncake import MooncakeBackend
-
-    backend = MooncakeBackend.from_options(
-        {"master": master, "global_segment_size": segment_bytes, "staging_bytes": 0}
-    )
-    print("ready", flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    backend.close()
-
-
 # ---------------------------------------------------------------------------------------- engine
 
 
@@ -205,9 +189,7 @@ def _engine_main(spec_path: str, out: str) -> None:
 
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
-    if command == "holder":
-        _holder_main(args[0], int(args[1]))
-    elif command == "engine":
+    if command == "engine":
         _engine_main(args[0], args[1])
     elif command == "tp-rank":
         _tp_rank_main(args[0], int(args[1]), int(args[2]), args[3])

@@ -24,13 +24,13 @@ import pytest
 
 from kvpool.backends.base import Status
 from kvpool.integrations.vllm import _LOCAL_SCHEDULERS, local_worker
+from kvpool.segment_holder import SegmentHolder
 from kvpool.testing.engine import GreedyResult, assert_same_greedy, engine, generate_greedy
 from kvpool.testing.mooncake import mooncake_or_skip
 
 from .conftest import BLOCK, random_prompts
 from .conftest_mooncake import (
     DRIVER,
-    SegmentHolder,
     child_env,
     mooncake_connector,
     read_ready,

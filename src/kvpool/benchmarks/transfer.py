@@ -41,18 +41,17 @@ from __future__ import annotations
 import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvpool.backends.base import Backend, Rows, Status
+from kvpool.segment_holder import SegmentHolder
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -67,20 +66,6 @@ MEMORY_TARGET = 0.60  # embedded pool: kvpool >= 60% of memcpy
 MOONCAKE_TARGET = 0.80  # distributed pool: kvpool >= 80% of raw Mooncake
 _SWEEP_BYTES = 16 << 20  # larger than the L2 caches of the machines we run on; a share of L3
 _SEGMENT_SLACK = 2  # pool = slack x the bytes kept stored at once (the get keys of every path)
-_HOLDER_READY_S = 60.0
-
-_HOLDER = """
-import sys
-from kvpool.backends.mooncake import MooncakeBackend
-backend = MooncakeBackend.from_options(
-    {"master": sys.argv[1], "global_segment_size": int(sys.argv[2]), "staging_bytes": 0}
-)
-print("ready", flush=True)
-sys.stdin.read()
-backend.close()
-"""
-
-
 @dataclass
 class _Data:
     """One batch of `keys` chunks of `pieces` equal pieces: the chunks are blocks of a paged cache, rows
@@ -327,39 +312,6 @@ def _measure(
     return figures
 
 
-@contextmanager
-def _segment_holder(master_address: str, segment_bytes: int) -> Iterator[None]:
-    """A child process owning the pool's only segment (stopped on exit, killed if it does not stop)."""
-    env = dict(os.environ)
-    env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    env.setdefault("MC_LOG_LEVEL", "WARNING")
-    process = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, master_address, str(segment_bytes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stdout is not None
-        deadline = time.monotonic() + _HOLDER_READY_S
-        line = ""
-        while line.strip() != "ready":
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the segment holder did not start (exit code {process.poll()})")
-            line = process.stdout.readline()
-        yield
-    finally:
-        if process.stdin is not None:
-            process.stdin.close()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-
-
 @dataclass(frozen=True)
 class _Plan:
     chunk_sizes: Sequence[int]
@@ -465,8 +417,8 @@ def _run_mooncake(plan: _Plan, placements: Sequence[str], segment_bytes: int) ->
     with start_master() as master:
         for placement in placements:
             options = {**master.backend_options(), "global_segment_size": segment_bytes}
-            holder: AbstractContextManager[None] = (
-                _segment_holder(master.address, segment_bytes) if placement == "remote" else nullcontext()
+            holder: AbstractContextManager[Any] = (
+                SegmentHolder(master.address, segment_bytes) if placement == "remote" else nullcontext()
             )
             with holder:
                 if placement == "remote":
