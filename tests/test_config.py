@@ -9,8 +9,24 @@ def test_defaults_and_sizes():
     assert config.capacity_bytes == 512 << 20
     assert config.retention_interval is None
     assert KVPoolConfig.from_dict(None).backend == "memory"
-    assert parse_size("x", "1.5 GB") == int(1.5 * (1 << 30))
     assert parse_size("x", 4096) == 4096
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("8GB", 8 * 10**9), ("8GiB", 8 << 30), ("1.5 gb", 1_500_000_000), ("512MiB", 512 << 20), ("64kB", 64_000),
+     ("2TiB", 2 << 40), ("1048576", 1 << 20), ("100b", 100)],
+)
+def test_sizes_follow_si_and_iec_units(text: str, size: int) -> None:
+    """GB = 10**9, GiB = 2**30, as everyone but a few C++ flag parsers reads them."""
+    assert parse_size("capacity_bytes", text) == size
+
+
+@pytest.mark.parametrize("text", ["3g", "1.5k", "2 MBs", "GB", "-1GB", "1e9", "0"])
+def test_ambiguous_or_bad_sizes_are_refused_naming_the_units(text: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_size("capacity_bytes", text)
+    assert "'capacity_bytes'" in str(caught.value) and "KiB/MiB/GiB/TiB = 1024^n" in str(caught.value)
 
 
 def test_exists_before_put_is_automatic_per_pool():

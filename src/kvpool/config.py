@@ -8,43 +8,9 @@ from typing import Any
 from kvpool.backends.base import BACKEND_NAMES
 from kvpool.errors import ConfigError
 from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S
+from kvpool.sizes import parse_size
 
-SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string such as "512MiB" / "4 GB"."""
-    if isinstance(value, bool):
-        raise ConfigError(key, value, "a byte count: an integer or a string like '512MiB'")
-    if isinstance(value, int) and value > 0:
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = text[len(number) :]
-        try:
-            amount = float(number)
-        except ValueError:
-            amount = -1.0
-        if unit in SIZE_UNITS and amount > 0:
-            return int(amount * SIZE_UNITS[unit])
-    raise ConfigError(key, value, "a positive byte count: an integer or a string like '512MiB'")
-
+__all__ = ["ConfigError", "KVPoolConfig", "parse_size"]
 
 @dataclass
 class KVPoolConfig:

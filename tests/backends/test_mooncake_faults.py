@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from kvpool.backends.base import Status, create_backend
-from kvpool.backends.mooncake import MooncakeBackend, MooncakeErrorCode, MooncakeOptions, parse_size, status_of
+from kvpool.backends.mooncake import MooncakeBackend, MooncakeErrorCode, MooncakeOptions, status_of
 from kvpool.errors import BackendUnavailableError, ConfigError
+from kvpool.sizes import parse_size
 
 pytestmark = pytest.mark.timeout(90)  # every wait below is bounded; this catches a native hang
 
@@ -102,13 +103,13 @@ def test_unknown_option_lists_the_allowed_keys() -> None:
         create_backend("mooncake", {"master_server_address": "127.0.0.1:50051"})
 
 
-def test_sizes_parse_like_mooncake() -> None:
-    assert parse_size("x", 123) == 123
-    assert parse_size("x", "256MB") == 256 << 20
-    assert parse_size("x", "3g") == 3 << 30
-    assert parse_size("x", "1 GiB") == 1 << 30
-    assert parse_size("x", "1.5k") == 1536
-    assert MooncakeOptions.parse({"global_segment_size": "0"}).global_segment_size == 0
+def test_mooncake_sizes_use_the_packages_units_and_allow_zero() -> None:
+    assert parse_size("x", 123, allow_zero=True) == 123
+    assert MooncakeOptions.parse({"global_segment_size": "256MB"}).global_segment_size == 256 * 10**6
+    assert MooncakeOptions.parse({"global_segment_size": "1 GiB"}).global_segment_size == 1 << 30
+    assert MooncakeOptions.parse({"global_segment_size": "0"}).global_segment_size == 0  # a pure client
+    with pytest.raises(ConfigError, match="global_segment_size"):
+        MooncakeOptions.parse({"global_segment_size": "3g"})
 
 
 def test_error_codes_map_to_statuses() -> None:
@@ -149,7 +150,7 @@ def test_setup_without_a_master_fails_fast(mooncake_available: None) -> None:
 
     started = time.monotonic()
     with pytest.raises(BackendUnavailableError, match="kvpool master"):
-        create_backend("mooncake", {"master": f"127.0.0.1:{free_port()}", "global_segment_size": "16MB"})
+        create_backend("mooncake", {"master": f"127.0.0.1:{free_port()}", "global_segment_size": "16MiB"})
     assert time.monotonic() - started < 10.0
 
 

@@ -14,12 +14,14 @@ from kvpool.segment_holder import SegmentHolder
 
 
 def test_a_segment_holder_stores_what_zero_segment_clients_put_until_it_stops(
-    mooncake_master: Any, client_options: Any
+    mooncake_available: None, client_options: Any
 ) -> None:
     from kvpool.backends.mooncake import MooncakeBackend
+    from kvpool.mooncake_master import start_master
 
-    holder = SegmentHolder(mooncake_master.address, 16 << 20)
-    client = MooncakeBackend.from_options(client_options(mooncake_master, global_segment_size=0))
+    master = start_master()  # its own: the holder's must be the pool's only segment
+    holder = SegmentHolder(master.address, 16 << 20)
+    client = MooncakeBackend.from_options(client_options(master, global_segment_size=0))
     try:
         keys = [f"segment-command/{i}" for i in range(4)]
         values = [[np.full(4096, i, np.uint8)] for i in range(4)]
@@ -32,6 +34,7 @@ def test_a_segment_holder_stores_what_zero_segment_clients_put_until_it_stops(
     finally:
         client.close()
         holder.kill()
+        master.stop()
 
 
 def test_a_bad_segment_size_is_a_usage_error_naming_it(mooncake_available: None) -> None:

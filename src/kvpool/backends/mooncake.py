@@ -20,7 +20,6 @@ import ipaddress
 import logging
 import math
 import os
-import re
 import socket
 import threading
 import time
@@ -34,6 +33,7 @@ import numpy as np
 from kvpool.backends.base import BackendStats, Rows, Status, Value, Values
 from kvpool.buffers import as_u8
 from kvpool.errors import BackendUnavailableError, ConfigError
+from kvpool.sizes import parse_size
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -121,23 +121,9 @@ def status_of(code: int, *, reading: bool = False) -> Status:
 
 # ---------------------------------------------------------------------------------------------- options
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
 MAX_SEGMENT_BYTES = 1 << 40  # Mooncake's MAX_SEGMENT_SIZE
 MIN_SEGMENT_BYTES = 16 << 20  # smaller segments fail setup() with INVALID_PARAMS (client_buffer_allocation.cpp)
-
-
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string like "256MB", "3g", "1 GiB" (binary units, as Mooncake reads them)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        match = _SIZE_PATTERN.match(value)
-        if match:
-            number, unit = match.groups()
-            return int(float(number) * _SIZE_UNITS[unit.lower()])
-    raise ConfigError(key, value, 'a byte count: a non-negative int or a string like "256MB" or "1GiB"')
 
 
 def _master_endpoint(value: Any) -> tuple[str, int]:
@@ -183,7 +169,7 @@ class MooncakeOptions:
             raise ConfigError("metadata_server", metadata, f'"P2PHANDSHAKE" or a URL starting with {_METADATA_SCHEMES}')
         if not isinstance(merged["local_hostname"], str) or not merged["local_hostname"].strip():
             raise ConfigError("local_hostname", merged["local_hostname"], "this host's address, e.g. 127.0.0.1")
-        segment = parse_size("global_segment_size", merged["global_segment_size"])
+        segment = parse_size("global_segment_size", merged["global_segment_size"], allow_zero=True)
         if segment and not MIN_SEGMENT_BYTES <= segment <= MAX_SEGMENT_BYTES:
             raise ConfigError(
                 "global_segment_size", merged["global_segment_size"], "0 (a pure client) or between 16 MiB and 1 TiB"
@@ -205,14 +191,14 @@ class MooncakeOptions:
             metadata_server=metadata,
             local_hostname=merged["local_hostname"].strip(),
             global_segment_size=segment,
-            local_buffer_size=parse_size("local_buffer_size", merged["local_buffer_size"]),
+            local_buffer_size=parse_size("local_buffer_size", merged["local_buffer_size"], allow_zero=True),
             protocol=merged["protocol"],
             rdma_devices=merged["rdma_devices"],
             setup_retries=merged["setup_retries"],
             prefer_local_segment=merged["prefer_local_segment"],
             replica_num=merged["replica_num"],
             breaker_cooldown_s=float(cooldown),
-            staging_bytes=parse_size("staging_bytes", merged["staging_bytes"]),
+            staging_bytes=parse_size("staging_bytes", merged["staging_bytes"], allow_zero=True),
         )
 
 
