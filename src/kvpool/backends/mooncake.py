@@ -13,14 +13,12 @@ Three things shape this file (measured facts in shared/reference/mooncake-store.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import enum
 import ipaddress
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -33,12 +31,12 @@ import numpy as np
 from kvpool.backends.base import BackendStats, Rows, Status, Value, Values
 from kvpool.buffers import as_u8
 from kvpool.errors import BackendUnavailableError, ConfigError
+from kvpool.mooncake_master import INSTALL_HINT, port_open
 from kvpool.sizes import parse_size
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-INSTALL_HINT = "pip install 'kvpool[mooncake]' (and on Debian/Ubuntu: apt-get install libibverbs1)"
 # Over TCP each buffer piece costs ~25 µs (under load; less on an idle host), so values made of small
 # pieces are staged: one extra local copy, one piece per key on the wire. Measured on loopback, 4-piece
 # values vs Mooncake's multi-buffer calls: 16-32 KiB pieces move 1.2-1.4x faster staged, 64 KiB pieces
@@ -802,7 +800,7 @@ class MooncakeBackend:
         return self._gate.healthy()
 
     def _master_reachable(self) -> bool:
-        return _port_open(self._master_host, self._master_port)
+        return port_open(self._master_host, self._master_port, MASTER_PROBE_TIMEOUT_S)
 
     def _guarded(
         self, operation: Callable[[], _T], failure_of: Callable[[_T], str | None], nbytes: int = 0
@@ -1050,12 +1048,6 @@ def _rpc_failure(codes: Sequence[int]) -> str | None:
         if code in _RPC_FAILURES:
             return f"a call returned {MooncakeErrorCode.describe(code)}"
     return None
-
-
-def _port_open(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=MASTER_PROBE_TIMEOUT_S):
-        return True
-    return False
 
 
 def _is_ip_literal(host: str) -> bool:
