@@ -12,7 +12,6 @@ from kvpool.errors import (
     ConfigError,
     KVPoolError,
     LayoutError,
-    PoolFullError,
 )
 from kvpool.keys import ChunkHashes, KeySpace, LayoutFingerprint, chunk_hashes
 from kvpool.layout import KVLayout
@@ -44,7 +43,6 @@ __all__ = [
     "LoadSpec",
     "MaskCoordinator",
     "MemoryBackend",
-    "PoolFullError",
     "RequestDelta",
     "Rows",
     "SchedulerConfig",

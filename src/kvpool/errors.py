@@ -29,7 +29,3 @@ class BackendError(KVPoolError):
 
 class BackendUnavailableError(BackendError):
     """The backend cannot be reached or is not installed; kvpool treats it as a miss."""
-
-
-class PoolFullError(BackendError):
-    """The pool has no room for a put; drives the store pressure gate."""

@@ -261,23 +261,16 @@ class PoolIndex:
                 count = held[h] = held.get(h, 0) + 1
                 if self.track_events and count == needed and self._complete(prefix, h):
                     self._events.append(PoolEvent(self._group_of[prefix], h, True))
-        for prefix, links in report.parents.items():
+        for prefix in {*report.stored, *report.parents}:  # chains, once every count above has moved
             held = self._counts.get(prefix)
             if held is None:
                 continue
-            chains = self._chains[prefix]
-            present = _holder(held, needed)
-            for h, parent in links.items():
+            chains, present = self._chains[prefix], _holder(held, needed)
+            for h, parent in report.parents.get(prefix, {}).items():
                 if h in held and chains.link(h, parent):
                     chains.extend(h, present)
-        for prefix, hashes in report.stored.items():
-            held = self._counts.get(prefix)
-            if held is None:
-                continue
-            chains = self._chains[prefix]
-            present = _holder(held, needed)
-            for h in hashes:
-                if held.get(h, 0) >= needed:
+            for h in report.stored.get(prefix, ()):
+                if present(h):
                     chains.extend(h, present)
 
     def _complete(self, prefix: str, chunk_hash: bytes) -> bool:

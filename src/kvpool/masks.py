@@ -49,9 +49,6 @@ class Boundaries:
         step = self.retention_interval
         return step > 0 and ceil_div(lo, step) * step <= hi
 
-    def contains(self, tokens: int) -> bool:
-        return tokens > 0 and tokens % self.lcm == 0 and self.any_in(tokens, tokens)
-
 
 class AttentionKind(ABC):
     """One attention kind's reachability rules, at its own block size."""
@@ -320,8 +317,3 @@ class MaskCoordinator:
         if kind.dense(self._dense_boundaries):
             return None
         return [kind.stores(chunk, self._dense_boundaries) for chunk in range(aligned_len // kind.block_size)]
-
-
-KIND_BY_NAME: dict[str, type[AttentionKind]] = {
-    cls.name: cls for cls in (FullAttention, SlidingWindow, ChunkedLocal, StateSpace)
-}

@@ -328,37 +328,30 @@ class WorkerEngine:
     # ---- storing a batch (the sender thread, or the engine thread with sync_saves) ------------
 
     def _store(self, batch: SaveBatch) -> None:
-        results = [Status.ERROR] * len(batch.items)
-        try:
-            results = self._put_batch(batch)
-        except Exception:
-            log.exception("save of %d chunks failed", len(batch.items))
-        self._track_stored(batch.items, results)
-        self._end_batch(batch, results)
+        self._store_batches([batch])
 
     def _store_batches(self, batches: list[SaveBatch]) -> None:
-        """The sender's call: the batches it took together, put as one (the pool's fixed cost per call
-        is paid once); each batch's outcome then moves its own requests' marks."""
+        """Put the batches as one (the pool's fixed cost per call is paid once: the sender takes several
+        small ones together); each batch's outcome then moves its own requests' marks."""
         with self._lock:
             epoch = self._epoch
-        stale = [batch for batch in batches if batch.epoch != epoch]
-        for batch in stale:  # captured before a reset: never stored
-            self._end_batch(batch, [Status.ERROR] * len(batch.items))
         current = [batch for batch in batches if batch.epoch == epoch]
-        if len(current) == 1:
-            self._store(current[0])
-        elif current:
-            merged = SaveBatch.merge(current)
-            results = [Status.ERROR] * len(merged.items)
-            try:
-                results = self._put_batch(merged)
-            except Exception:
-                log.exception("save of %d chunks failed", len(merged.items))
-            self._track_stored(merged.items, results)
-            first = 0
-            for batch in current:
-                self._end_batch(batch, results[first : first + len(batch.items)])
-                first += len(batch.items)
+        for batch in batches:
+            if batch.epoch != epoch:  # captured before a reset: never stored
+                self._end_batch(batch, [Status.ERROR] * len(batch.items))
+        if not current:
+            return
+        whole = current[0] if len(current) == 1 else SaveBatch.merge(current)
+        results = [Status.ERROR] * len(whole.items)
+        try:
+            results = self._put_batch(whole)
+        except Exception:
+            log.exception("save of %d chunks failed", len(whole.items))
+        self._track_stored(whole.items, results)
+        first = 0
+        for batch in current:
+            self._end_batch(batch, results[first : first + len(batch.items)])
+            first += len(batch.items)
 
     def _track_stored(self, items: list[ChunkRef], results: list[Status]) -> None:
         if self.tracker is not None:
