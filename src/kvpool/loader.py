@@ -185,11 +185,15 @@ class Loader:
                     raise Abandoned from None
 
     def take_finished(self) -> set[str]:
+        if not self._finished:  # most steps; one that lands meanwhile is taken at the next step
+            return set()
         with self._lock:
             finished, self._finished = self._finished, set()
         return finished
 
     def take_failed(self) -> dict[str, list[ChunkRef]]:
+        if not self._failed:
+            return {}
         with self._lock:
             failed, self._failed = self._failed, {}
         return failed

@@ -153,7 +153,8 @@ class WorkerEngine:
 
     def handle_step(self, step: StepMetadata) -> None:
         """Before the step: forget preempted requests; empty the pool if the scheduler reset it."""
-        self.preempt(step.preempted)
+        if step.preempted:
+            self.preempt(step.preempted)
         if step.reset_epoch > self._epoch:
             self.reset(step.reset_epoch)  # not reached directly by the scheduler
 
@@ -477,6 +478,8 @@ class WorkerEngine:
     def take_load_failures(self) -> LoadFailures:
         """Failed loads since the last call, in the form the engine can recompute from."""
         failed = self.loader.take_failed()
+        if not failed:
+            return LoadFailures(set(), set())
         if self.coordinator.resumes_at_failed_chunk:
             blocks = {item.block_id for items in failed.values() for item in items}
             return LoadFailures(blocks, set())

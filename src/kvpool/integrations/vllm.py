@@ -398,7 +398,8 @@ class _WorkerSide:
             self.engine.save(step.requests)
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self.engine.finish(finished_req_ids)
+        if finished_req_ids:
+            self.engine.finish(finished_req_ids)
         results = KVConnectorTransferResults(finished_recving=self.engine.take_finished_loads())
         failures = self.engine.take_load_failures()
         # one full-attention group: vLLM recomputes from the first bad block; any other model: the whole
