@@ -77,7 +77,17 @@ def test_chunk_range_matches_brute_force(block: int) -> None:
                 for mask in masks_for(span):
                     for put_step in (1, 2, 3):
                         for rank in range(put_step):
-                            got = list(chunk_range(token_len, num_hashes, start, mask, put_step, rank, block))
+                            got = list(
+                                chunk_range(
+                                    token_len,
+                                    num_hashes,
+                                    start,
+                                    mask,
+                                    block_size=block,
+                                    put_step=put_step,
+                                    put_step_rank=rank,
+                                )
+                            )
                             want = reference_chunks(token_len, num_hashes, start, mask, put_step, rank, block)
                             assert got == want, (token_len, num_hashes, start, mask, put_step, rank, block)
                             checked += 1
@@ -92,9 +102,16 @@ def test_process_tokens_spans_and_hashes() -> None:
     # a start inside a block rounds up to the next chunk
     assert [s for s, _, _ in process_tokens(64, hashes, 17, None, block_size=16)] == [32, 48]
     # striding uses the absolute chunk id: rank 1 of 2 gets the odd chunks whatever the start
-    assert [s // 16 for s, _, _ in process_tokens(80, hashes, 0, None, 2, 1, block_size=16)] == [1, 3]
-    assert [s // 16 for s, _, _ in process_tokens(80, hashes, 32, None, 2, 1, block_size=16)] == [3]
-    assert [s // 16 for s, _, _ in process_tokens(80, hashes, 48, None, 2, 1, block_size=16)] == [3]
+    assert [s // 16 for s, _, _ in process_tokens(80, hashes, 0, None, block_size=16, put_step=2, put_step_rank=1)] == [
+        1,
+        3,
+    ]
+    assert [
+        s // 16 for s, _, _ in process_tokens(80, hashes, 32, None, block_size=16, put_step=2, put_step_rank=1)
+    ] == [3]
+    assert [
+        s // 16 for s, _, _ in process_tokens(80, hashes, 48, None, block_size=16, put_step=2, put_step_rank=1)
+    ] == [3]
     # the mask is relative to the first chunk of the range
     assert [s // 16 for s, _, _ in process_tokens(80, hashes, 32, [False, True, True], block_size=16)] == [3, 4]
     # a mask shorter than the range caps it
@@ -112,7 +129,11 @@ def test_process_tokens_reads_only_yielded_hashes(block: int) -> None:
             for put_step in (1, 2, 3):
                 for rank in range(put_step):
                     hashes = RecordingHashes(7)
-                    out = list(process_tokens(token_len, hashes, start, mask, put_step, rank, block_size=block))
+                    out = list(
+                        process_tokens(
+                            token_len, hashes, start, mask, block_size=block, put_step=put_step, put_step_rank=rank
+                        )
+                    )
                     chunks = [s // block for s, _, _ in out]
                     assert hashes.reads == chunks
                     assert [h for _, _, h in out] == [b"h%d" % c for c in chunks]
@@ -130,7 +151,7 @@ def test_block_size_larger_than_hash_block_uses_last_constituent_hash() -> None:
     assert raw.reads == [7, 15]
     # striding over chunk ids, not hash ids
     raw.reads.clear()
-    out = list(process_tokens(256, hashes, 0, None, 2, 1, block_size=64))
+    out = list(process_tokens(256, hashes, 0, None, block_size=64, put_step=2, put_step_rank=1))
     assert [h for _, _, h in out] == [b"h7", b"h15"]
     assert raw.reads == [7, 15]
     # a partial last chunk (no whole-chunk hash) is never yielded
@@ -148,4 +169,4 @@ def test_same_block_size_passes_hashes_through() -> None:
 )
 def test_chunk_range_rejects_bad_striding(put_step: int, rank: int, block: int) -> None:
     with pytest.raises(LayoutError):
-        list(chunk_range(64, 4, 0, None, put_step, rank, block))
+        list(chunk_range(64, 4, 0, None, block_size=block, put_step=put_step, put_step_rank=rank))

@@ -24,9 +24,10 @@ def chunk_range(
     num_hashes: int,
     start: int,
     chunk_mask: Mask,
-    put_step: int,
-    put_step_rank: int,
+    *,
     block_size: int,
+    put_step: int = 1,
+    put_step_rank: int = 0,
 ) -> Iterator[int]:
     """Chunk ids from ceil(start / block) to min(num_hashes, ceil(token_len / block)), skipping masked
     chunks and chunks whose absolute id % put_step != put_step_rank (so a chunk's owner never
@@ -53,14 +54,23 @@ def process_tokens(
     block_hashes: Sequence[bytes],
     start: int,
     chunk_mask: Mask,
-    put_step: int = 1,
-    put_step_rank: int = 0,
     *,
     block_size: int,
+    put_step: int = 1,
+    put_step_rank: int = 0,
 ) -> Iterator[tuple[int, int, bytes]]:
     """Yield (start_token, end_token, chunk_hash) for the chunks this rank must handle.
 
     `block_hashes` holds one hash per chunk of `block_size` tokens; only yielded chunks are read."""
-    for chunk in chunk_range(token_len, len(block_hashes), start, chunk_mask, put_step, put_step_rank, block_size):
+    chunks = chunk_range(
+        token_len,
+        len(block_hashes),
+        start,
+        chunk_mask,
+        block_size=block_size,
+        put_step=put_step,
+        put_step_rank=put_step_rank,
+    )
+    for chunk in chunks:
         begin = chunk * block_size
         yield begin, min(begin + block_size, token_len), block_hashes[chunk]

@@ -263,7 +263,13 @@ class WorkerEngine:
             mask = coord.store_mask(group, end, start, state.num_prompt_tokens)
             first_live = kind.first_live_chunk(state.computed_before)
             chunks = chunk_range(
-                end, len(hashes), start, mask, placement.put_step, placement.put_step_rank, kind.block_size
+                end,
+                len(hashes),
+                start,
+                mask,
+                block_size=kind.block_size,
+                put_step=placement.put_step,
+                put_step_rank=placement.put_step_rank,
             )
             for chunk in chunks:
                 block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
@@ -441,7 +447,7 @@ class WorkerEngine:
                 if mask is not None:
                     mask = mask[-(-start_tokens // kind.block_size) :]
                 for chunk in chunk_range(
-                    hit_tokens, hit_tokens // kind.block_size, start_tokens, mask, 1, 0, kind.block_size
+                    hit_tokens, hit_tokens // kind.block_size, start_tokens, mask, block_size=kind.block_size
                 ):
                     block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
                     if block_id == NULL_BLOCK_ID:

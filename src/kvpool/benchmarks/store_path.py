@@ -107,9 +107,7 @@ def _full_save(cell: _Cell, backend: MemoryBackend, request: _Request, token_len
     prefix = cell.space.prefix
     for group, kind in enumerate(coord.kinds):
         hashes = chunk_hashes(request.known_hashes, coord.hash_block_size, kind.block_size)
-        for start, _end, chunk_hash in process_tokens(
-            token_len, hashes, 0, masks[group], 1, 0, block_size=kind.block_size
-        ):
+        for start, _end, chunk_hash in process_tokens(token_len, hashes, 0, masks[group], block_size=kind.block_size):
             keys.append(prefix + chunk_hash.hex())
             blocks.append(request.table[start // kind.block_size])
     present = backend.exists(keys)
