@@ -50,6 +50,7 @@ def _ints(option: str, text: str) -> list[int]:
     return values
 
 
+AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 NoFail = Annotated[bool, typer.Option("--no-fail", help="exit 0 even when a target is missed")]
 
 
@@ -70,7 +71,7 @@ def demo(
     backend: Annotated[
         DemoBackend, typer.Option(help="memory (embedded) or mooncake (a local master it starts)")
     ] = DemoBackend.memory,
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Multi-turn chat workload through a vLLM CPU engine, without and with kvpool (exit 1: outputs differ)."""
     from kvpool import demo as demo_module
@@ -83,7 +84,7 @@ def demo(
 
 @bench_app.command("store-path")
 def bench_store_path(
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
     no_fail: NoFail = False,
     requests: Annotated[int, typer.Option(help="concurrent requests")] = 8,
     steps: Annotated[int, typer.Option(help="decode steps measured per cell")] = 64,
@@ -104,7 +105,7 @@ def bench_store_path(
 
 @bench_app.command("connector-step")
 def bench_connector_step(
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
     no_fail: NoFail = False,
     requests: Annotated[str, typer.Option(help="concurrent requests per cell, comma separated")] = "8,64",
     contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = "1024,16384,131072",
@@ -133,7 +134,7 @@ def bench_connector_step(
 @bench_app.command("transfer")
 def bench_transfer(
     backend: Annotated[str, typer.Option(help="memory or mooncake")] = "memory",
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
     no_fail: NoFail = False,
     pieces: Annotated[str, typer.Option(help="pieces per chunk (layers), comma separated")] = "4,1",
     keys: Annotated[int, typer.Option(help="chunks per batch", min=1)] = 32,
@@ -153,7 +154,7 @@ def bench_transfer(
 
 @bench_app.command("lookup")
 def bench_lookup(
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
     no_fail: NoFail = False,
     contexts: Annotated[str, typer.Option(help="prompt lengths in tokens, comma separated")] = DEFAULT_CONTEXTS,
     block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,64",
@@ -172,7 +173,7 @@ def bench_lookup(
 
 @bench_app.command("serve-overhead")
 def bench_serve_overhead(
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
     no_fail: NoFail = False,
     prompts: Annotated[int, typer.Option(help="prompts per round", min=1)] = 12,
     rounds: Annotated[int, typer.Option(help="rounds", min=1)] = 2,
@@ -186,7 +187,7 @@ def bench_serve_overhead(
 
 @bench_app.command("hang")
 def bench_hang(
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    as_json: AsJson = False,
     no_fail: NoFail = False,
     prompts: Annotated[int, typer.Option(help="prompts per pass", min=1)] = 8,
     prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt", min=64)] = 512,
