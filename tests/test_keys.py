@@ -28,6 +28,7 @@ def test_every_fingerprint_field_changes_the_prefix() -> None:
         "hash_algo": "sha256",
         "weights": "0123abcd",
         "tenant": "acme",
+        "integrity": "sampled",
     }
     assert set(changes) == {f.name for f in dataclasses.fields(LayoutFingerprint)}
     prefixes = {BASE.key_prefix()}

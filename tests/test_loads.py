@@ -273,20 +273,34 @@ def test_an_in_step_load_that_fails_skips_that_steps_save_and_is_not_reported_fi
     model, backend, engine, hashes, _ = saved_prefix(closing)
     backend.remove([model.key(0, hashes, 5)])
     tables = model.tables(160)
-    for delta in (
-        RequestDelta("r", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=160, stored_tokens=128),
-        RequestDelta("r", save_tokens=160, computed_before=128),
-    ):
-        if delta.num_prompt_tokens:
-            delta.load = LoadSpec(0, 128, in_step=True)
-        engine.apply([delta])
+    first = RequestDelta("r", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=160, stored_tokens=128)
+    first.load = LoadSpec(0, 128, in_step=True)
+    engine.apply([first, RequestDelta("r", save_tokens=160, computed_before=128)])
     assert engine.take_finished_loads() == set()
     assert failed_blocks(engine) == {tables[0][5]}
     put_before = len(backend.put_keys)
     engine.save([RequestDelta("r", save_tokens=160, computed_before=128)])  # the same step's save
     assert engine.drain(5)
     assert len(backend.put_keys) == put_before  # nothing computed on the unwritten block is stored
-    engine.save([RequestDelta("r", save_tokens=160, computed_before=80)])  # the next step recomputed from 80
+    engine.apply([])  # the next step recomputed from 80
+    engine.save([RequestDelta("r", save_tokens=160, computed_before=80)])
     assert engine.drain(5)
     assert backend.exists_keys[-3:] == [model.key(0, hashes, c) for c in (5, 6, 7)]
     assert backend.put_keys[put_before:] == [model.key(0, hashes, 5)]  # 6 and 7 are still in the pool
+
+
+def test_a_step_whose_in_step_load_failed_and_that_saves_nothing_leaves_the_recompute_to_be_saved(
+    closing: list[WorkerEngine],
+) -> None:
+    """The failing step often has nothing to save (the hit covered every full chunk), so the adapter
+    never calls save in it; the step that recomputes must still store what the pool lost."""
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    backend.remove([model.key(0, hashes, 5)])
+    first = RequestDelta("r", new_hashes=hashes, new_blocks=model.tables(160), num_prompt_tokens=160, stored_tokens=128)
+    first.load = LoadSpec(0, 128, in_step=True)
+    engine.apply([first])  # no save in this step
+    put_before = len(backend.put_keys)
+    engine.apply([])
+    engine.save([RequestDelta("r", save_tokens=128, computed_before=0)])  # the recompute of the prompt
+    assert engine.drain(5)
+    assert backend.put_keys[put_before:] == [model.key(0, hashes, 5)]

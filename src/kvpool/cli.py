@@ -1,7 +1,8 @@
-"""The `kvpool` command: demo, bench, master, segment.
+"""The `kvpool` command: demo, bench, inspect, master, segment.
 
-Exit codes: 0 success; 1 a bench that printed FAIL (unless `--no-fail`) or a demo whose outputs
-differ with the pool; 2 a usage error (a bad option value, named)."""
+Exit codes: 0 success; 1 a bench that printed FAIL (unless `--no-fail`), a demo whose outputs
+differ with the pool, or an inspect whose pool or server did not answer; 2 a usage error (a bad
+option value, named)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def _main(
     ] = False,
 ) -> None:
     """kvpool: a KV-cache pool for LLM serving."""
+
 
 DEFAULT_CONTEXTS = "1024,4096,16384,32768,65536,131072"
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a table or JSON.")
@@ -165,7 +167,9 @@ def bench_lookup(
     from kvpool.benchmarks import lookup
 
     result = lookup.run(
-        contexts=_ints("--contexts", contexts), block_sizes=_ints("--block-sizes", block_sizes), reps=reps,
+        contexts=_ints("--contexts", contexts),
+        block_sizes=_ints("--block-sizes", block_sizes),
+        reps=reps,
         mooncake=mooncake,
     )
     _emit(result, as_json, lookup.print_table, no_fail)
@@ -255,6 +259,98 @@ def segment(
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from exc
     raise typer.Exit(code)
+
+
+inspect_app = typer.Typer(no_args_is_help=True, help="What a running pool holds, and why a prompt hits where it does.")
+app.add_typer(inspect_app, name="inspect")
+
+
+def _unreachable(exc: Exception) -> typer.Exit:
+    typer.echo(f"kvpool inspect: {exc}", err=True)
+    return typer.Exit(1)
+
+
+@inspect_app.command("master")
+def inspect_master(
+    url: Annotated[str, typer.Argument(help="the master's admin HTTP address, e.g. http://127.0.0.1:9003")],
+    as_json: AsJson = False,
+) -> None:
+    """Keys and bytes per kvpool namespace, memory and evictions of a Mooncake master (exit 1: no answer)."""
+    from kvpool import inspection
+
+    try:
+        report = inspection.inspect_master(url)
+    except inspection.Unreachable as exc:
+        raise _unreachable(exc) from exc
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        inspection.print_master(report)
+
+
+@inspect_app.command("engine")
+def inspect_engine(
+    url: Annotated[str, typer.Argument(help="a vLLM server running kvpool, e.g. http://127.0.0.1:8000")],
+    as_json: AsJson = False,
+) -> None:
+    """kvpool's counters and each engine's embedded pool, from the server's /metrics (exit 1: no answer)."""
+    from kvpool import inspection
+
+    try:
+        engines = inspection.inspect_engine(url)
+    except inspection.Unreachable as exc:
+        raise _unreachable(exc) from exc
+    if as_json:
+        typer.echo(json.dumps(engines, indent=2))
+    else:
+        inspection.print_engines(url, engines)
+
+
+@inspect_app.command("explain")
+def inspect_explain(
+    model: Annotated[str, typer.Argument(help="the model directory (or name) the engine serves")],
+    prompt: Annotated[
+        typer.FileText, typer.Option(help="token ids, as a JSON list or separated by spaces; '-' reads stdin")
+    ],
+    config: Annotated[str, typer.Option(help="kvpool's kv_connector_extra_config, as JSON")] = "{}",
+    block_size: Annotated[int, typer.Option(help="the engine's block size", min=1)] = 64,
+    max_model_len: Annotated[int, typer.Option(help="the engine's max model length", min=1)] = 2048,
+    as_json: AsJson = False,
+) -> None:
+    """Which chunks of which group a prompt finds in the pool, where the hit stops and why. Builds the
+    engine in this process (CPU): it reads pools this process reaches, so a Mooncake pool, or an
+    embedded one only in-process (then call kvpool.integrations.vllm_explain.explain_prompt)."""
+    from kvpool.errors import ConfigError
+    from kvpool.explain import print_explanation
+
+    try:
+        extra = json.loads(config)
+        if not isinstance(extra, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        raise typer.BadParameter(f"{config!r}: expected a JSON object ({exc})", param_hint="--config") from exc
+    from kvpool.config import KVPoolConfig
+
+    try:
+        KVPoolConfig.from_dict(extra)  # a bad key or value is named before an engine is built
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--config") from exc
+    text = prompt.read().strip()
+    try:
+        tokens = [int(token) for token in (json.loads(text) if text.startswith("[") else text.split())]
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(
+            "expected token ids: a JSON list or integers separated by spaces", param_hint="--prompt"
+        ) from exc
+    if not tokens:
+        raise typer.BadParameter("the prompt has no tokens", param_hint="--prompt")
+    from kvpool.integrations.vllm_explain import explain_with_engine
+
+    explanation = explain_with_engine(model, tokens, extra, block_size=block_size, max_model_len=max_model_len)
+    if as_json:
+        typer.echo(json.dumps(explanation.to_dict(), indent=2))
+    else:
+        print_explanation(explanation)
 
 
 def master_flags(high_watermark: float, eviction_ratio: float, lease_ttl_ms: int, client_ttl_s: int) -> list[str]:

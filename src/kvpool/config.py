@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpool.backends.base import BACKEND_NAMES
 from kvpool.errors import ConfigError
+from kvpool.integrity import Integrity
 from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S
 from kvpool.sizes import parse_size
 
@@ -31,6 +32,7 @@ class KVPoolConfig:
     save_buffer_bytes: int = 1 << 30
     save_linger_steps: int = 8
     save_linger_ms: float = 20.0
+    integrity: str = "off"  # "sampled" or "full": store a seal with each chunk and check it on load (integrity.py)
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
 
     @classmethod
@@ -99,6 +101,9 @@ class KVPoolConfig:
             or not (1 <= self.put_batch_chunks <= 65536)
         ):
             raise ConfigError("put_batch_chunks", self.put_batch_chunks, "an integer from 1 to 65536")
+        modes = [mode.value for mode in Integrity]
+        if self.integrity not in modes:
+            raise ConfigError("integrity", self.integrity, " or ".join(modes))
         if self.load_failure_policy not in ("recompute", "engine"):
             raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
 

@@ -33,6 +33,7 @@ class LayoutFingerprint:
     hash_algo: str = ""  # the engine's block-hash function and seed policy
     weights: str = ""  # digest of what else decides the KV bytes: revision, quantization, model config
     tenant: str = ""  # optional salt: tenants never share chunks
+    integrity: str = ""  # what a chunk's seal covers ("" and "off": no seal is stored)
 
     def digest(self) -> str:
         text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))

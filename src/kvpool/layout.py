@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Rows
+from kvpool.backends.base import Rows, Status
 from kvpool.buffers import as_u8
 from kvpool.errors import LayoutError
+from kvpool.integrity import SEAL_BYTES, Integrity, Sealer
 
 NULL_BLOCK_ID = 0  # the engine's placeholder block: never stored from, never loaded into
 
@@ -28,7 +29,10 @@ class KVLayout:
     """Maps (group, block id) to the byte pieces of that block in every layer of the group.
 
     Host tensors are addressed in place (zero copy). Device tensors go through a host staging copy,
-    so the same code serves CUDA: `save_rows` copies the blocks out before returning."""
+    so the same code serves CUDA: `save_rows` copies the blocks out before returning.
+
+    With `integrity` on, every value this layout hands out ends with the chunk's seal: saves compute
+    it, loads read it, and `verify` checks it before `commit_rows` (integrity.py)."""
 
     def __init__(
         self,
@@ -37,6 +41,7 @@ class KVLayout:
         num_blocks: int,
         *,
         staged: bool | None = None,
+        integrity: Integrity = Integrity.OFF,
     ) -> None:
         if not tensors:
             raise LayoutError("no KV tensors were registered")
@@ -70,9 +75,19 @@ class KVLayout:
                 self._views[group].append(view)
         self._block_bytes = [sum(_block_nbytes(v) for v in views) for views in self._views]
         self._storages = _distinct_storages(tensors.values())
+        self._sealers = [Sealer(nbytes, integrity) for nbytes in self._block_bytes]
+        self.sealed = integrity is not Integrity.OFF
+        # the seal column of in-place values, one per direction: a save and a load never share a block
+        self._save_seals = [np.zeros((num_blocks, SEAL_BYTES), np.uint8) for _ in self._sealers] if self.sealed else []
+        self._load_seals = [np.zeros((num_blocks, SEAL_BYTES), np.uint8) for _ in self._sealers] if self.sealed else []
 
     def chunk_nbytes(self, group: int) -> int:
+        """The bytes of one block of the group in every layer (without its seal)."""
         return self._block_bytes[group]
+
+    def stored_nbytes(self, group: int) -> int:
+        """What the pool holds per chunk of the group: its bytes, then its seal when sealed."""
+        return self._sealers[group].stored_bytes
 
     def storages(self) -> list[tuple[int, int]]:
         """(address, bytes) of each distinct storage, for backends that register memory."""
@@ -84,16 +99,21 @@ class KVLayout:
         ids = self._ids(group, block_ids)
         views = self._views[group]
         if not self.staged:
-            return Rows(tuple(views), ids)
+            rows = Rows(tuple(views), ids)
+            if not self.sealed:
+                return rows
+            seals = self._save_seals[group]
+            seals[ids] = self._sealers[group].seal_column(rows)
+            return Rows((*views, seals), ids)
         import torch
 
-        host = torch.empty((len(ids), self._block_bytes[group]), dtype=torch.uint8)
+        host = torch.empty((len(ids), self._sealers[group].stored_bytes), dtype=torch.uint8)
         offset = 0
         for view in views:
             blocks = view[torch.from_numpy(ids).to(view.device)].reshape(len(ids), -1).view(torch.uint8)
             host[:, offset : offset + blocks.shape[1]].copy_(blocks)
             offset += blocks.shape[1]
-        return Rows((host.numpy(),), np.arange(len(ids)))
+        return self._sealed_copy(group, host.numpy())
 
     def copy_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
         """Like `save_rows`, but always a host copy the caller owns: the engine may reuse the blocks
@@ -101,7 +121,16 @@ class KVLayout:
         if self.staged:
             return self.save_rows(group, block_ids)  # already copied out of device memory
         ids = self._ids(group, block_ids)
-        return Rows(tuple(np.take(view, ids, axis=0) for view in self._views[group]), np.arange(len(ids)))
+        copies = tuple(np.take(view, ids, axis=0) for view in self._views[group])
+        rows = Rows(copies, np.arange(len(ids)))
+        return Rows((*copies, self._sealers[group].seal_column(rows)), rows.ids) if self.sealed else rows
+
+    def _sealed_copy(self, group: int, host: np.ndarray) -> Rows:
+        """`host`: one row per block, the block's bytes then room for its seal (filled here)."""
+        rows = Rows((host,), np.arange(len(host)))
+        if self.sealed:
+            host[:, self._block_bytes[group] :] = self._sealers[group].seal_column(rows)
+        return rows
 
     def load_rows(self, group: int, block_ids: Sequence[int], *, owned: bool = False) -> Rows:
         """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled.
@@ -109,8 +138,14 @@ class KVLayout:
         the caller owns, so a read that never returns can never write the engine's blocks."""
         ids = self._ids(group, block_ids)
         if not self.staged and not owned:
-            return Rows(tuple(self._views[group]), ids)
-        return Rows((np.empty((len(ids), self._block_bytes[group]), dtype=np.uint8),), np.arange(len(ids)))
+            views = tuple(self._views[group])
+            return Rows((*views, self._load_seals[group]) if self.sealed else views, ids)
+        return Rows((np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8),), np.arange(len(ids)))
+
+    def verify(self, group: int, rows: Rows, statuses: Sequence[Status]) -> list[Status]:
+        """`statuses` of a read into `rows` (from `load_rows`), with every chunk whose seal does not
+        match its bytes made CORRUPT. Call before `commit_rows`."""
+        return self._sealers[group].verify(rows, statuses)
 
     def commit_rows(self, group: int, block_ids: Sequence[int], rows: Rows, arrived: Sequence[bool]) -> None:
         """Move the blocks that `arrived` from a `load_rows` host buffer into the engine's memory."""

@@ -138,19 +138,23 @@ class Loader:
                 # this batch and the ones not tried are unloaded; earlier batches did load
                 log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
                 return failed + items[offset:]
-            corrupt: list[str] = []
+            unusable: list[str] = []
             for item, result in zip(part, results):
                 if result is Status.OK:
                     self.stats.chunks_loaded += 1
                     self.stats.bytes_loaded += layout.chunk_nbytes(item.group)
                 else:
                     failed.append(item)
-                    if result is Status.SIZE_MISMATCH:
-                        corrupt.append(item.key)
-            if corrupt:
-                # a chunk of the wrong size can never load: drop it so lookups stop offering it
-                log.warning("removing %d pool chunks whose size does not match this engine's blocks", len(corrupt))
-                self.backend.remove(corrupt)
+                    if result is Status.CORRUPT:
+                        self.stats.chunks_corrupt += 1
+                    if result in (Status.SIZE_MISMATCH, Status.CORRUPT):
+                        unusable.append(item.key)
+            if unusable:
+                # such a chunk can never load: drop it so lookups stop offering it
+                log.warning(
+                    "removing %d pool chunks whose size or seal does not match this engine's blocks", len(unusable)
+                )
+                self.backend.remove(unusable)
         return failed
 
     def _get(self, layout: KVLayout, part: list[ChunkRef]) -> list[Status]:
@@ -168,6 +172,7 @@ class Loader:
             else:
                 rows = layout.load_rows(group, block_ids, owned=True)
                 statuses = self._bounded_get(keys, rows)
+            statuses = layout.verify(group, rows, statuses)
             layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
             for position, status in zip(positions, statuses):
                 results[position] = status

@@ -193,15 +193,21 @@ class SchedulerEngine:
         return hit
 
     def _presence(self, picked: list[list[bytes]]) -> list[list[bool]]:
-        """Per group, whether each chunk is present in every namespace the group needs."""
         if self.index is not None:
             self.stats.lookup_keys += sum(map(len, picked))
+        else:
+            self.stats.lookup_keys += sum(len(hashes) * len(spaces) for hashes, spaces in zip(picked, self.namespaces))
+        return self.presence(picked)
+
+    def presence(self, picked: Sequence[Sequence[bytes]]) -> list[list[bool]]:
+        """Per group, whether each of its chunks (by chunk hash) is present in every namespace the group
+        needs: the embedded pools' index, or one `exists` call."""
+        if self.index is not None:
             return [self.index.present(group, hashes) for group, hashes in enumerate(picked)]
         keys: list[str] = []
         for hashes, spaces in zip(picked, self.namespaces):
             for space in spaces:
                 keys.extend(space.keys(hashes))
-        self.stats.lookup_keys += len(keys)
         found = self.exists(keys) if keys else []
         result: list[list[bool]] = []
         first = 0

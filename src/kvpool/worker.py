@@ -70,6 +70,7 @@ class WorkerStats:
     loads: int = 0
     chunks_loaded: int = 0
     chunks_load_failed: int = 0
+    chunks_corrupt: int = 0  # loaded chunks whose seal did not match (failed, recomputed, dropped)
     bytes_loaded: int = 0
     pressure_events: int = 0
     resets: int = 0
@@ -88,7 +89,7 @@ class _RequestState:
     finished: bool = False
     dropped: bool = False  # preempted or retired: a later delta starts a new state
     frozen: bool = False  # alive across a pool reset: its KV mixes old and new, never saved again
-    skip_save_once: bool = False  # an in-step load failed: this step's forward computed on unwritten blocks
+    unsaved_step: int = -1  # the step whose in-step load failed: its forward computed on unwritten blocks
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class WorkerEngine:
         self._puts_done = threading.Condition(self._lock)
         self._states: dict[str, _RequestState] = {}
         self._seq = 0
+        self._steps = 0  # engine steps applied (one `apply` each)
         self._epoch = 0
         self._putting_epoch: int | None = None  # epoch of the batch inside the backend's put, if any
         self._pressure = False
@@ -159,7 +161,9 @@ class WorkerEngine:
             self.reset(step.reset_epoch)  # not reached directly by the scheduler
 
     def apply(self, deltas: Iterable[RequestDelta]) -> None:
-        """Record new hashes and blocks, and start the loads the step asks for."""
+        """Once per engine step, before its forward: record new hashes and blocks, and start the loads
+        the step asks for."""
+        self._steps += 1
         for delta in deltas:
             if self._update_state(delta) is not None and delta.load is not None:
                 self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens, in_step=delta.load.in_step)
@@ -235,9 +239,8 @@ class WorkerEngine:
             state = self._states.get(delta.req_id)
             if state is None or state.dropped or state.finished or state.frozen:
                 continue
-            if state.skip_save_once:
-                state.skip_save_once = False  # the engine recomputes it; the next step's save covers it
-                continue
+            if state.unsaved_step == self._steps:
+                continue  # the engine recomputes this step's work in a later step, whose save covers it
             state.computed_before = max(state.computed_before, delta.computed_before)
             hashed = len(state.hashes) * coord.hash_block_size
             end = coord.align(min(delta.save_tokens, hashed))
@@ -461,7 +464,7 @@ class WorkerEngine:
             with self._lock:
                 state = self._states.get(req_id)
                 if state is not None:
-                    state.skip_save_once = True  # this step computes on blocks the load did not fill
+                    state.unsaved_step = self._steps  # this step computes on blocks the load did not fill
 
     def _load_done(self, req_id: str, failed: list[ChunkRef]) -> None:
         """A load ended; the chunks from the first failed one on are not in the pool: save them again."""

@@ -63,6 +63,12 @@ def check_shape(result: dict[str, Any], backend: str, placements: tuple[str, ...
             assert row[check["baseline"] + "_gbps"] == faster
             assert check["ratio"] == round(row["kvpool_gbps"] / faster, 3)
     assert summary["pass"] == all(check["pass"] for check in summary["ratios"])
+    for row in rows:  # the seals' cost, each way, as a share of kvpool's own time; and the sealed path works
+        assert row["kvpool_sealed_gbps"] > 0 and min(row["seal_cost"].values()) > 0
+    integrity = summary["integrity"]
+    loads = [row["seal_cost"]["sampled"] for row in rows if row["op"] == "get"]
+    assert integrity["worst_load_cost"] == max(loads)
+    assert integrity["pass"] == (max(loads) < transfer.SEAL_COST_TARGET)
     assert summary["min_ratio"] == min(check["ratio"] for check in summary["ratios"])
     assert summary["failed"] == [check for check in summary["ratios"] if not check["pass"]]
 

@@ -48,6 +48,27 @@ def random_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(count)]
 
 
+def damage(value: Any) -> Any:
+    """A copy of a stored chunk with every other 4 KiB page inverted: damage a transfer or a bad page of
+    memory leaves, big enough to change the outputs of an engine that used it."""
+    import numpy as np
+
+    damaged = np.array(value, dtype=np.uint8, copy=True).reshape(-1)
+    for start in range(0, damaged.size - 8, 2 * 4096):  # the seal (last 8 bytes) is left as it was
+        damaged[start : min(start + 4096, damaged.size - 8)] ^= 0xFF
+    return damaged
+
+
+def damage_pool(pool_name: str) -> int:
+    """Damage every chunk of the embedded pool (see `damage`); how many there were."""
+    pool = shared_memory_pool(pool_name, 256 << 20)
+    keys = pool.keys()
+    for key in keys:
+        stored = pool._items[key]  # the pool's own memory, as bit rot would find it
+        stored[:] = damage(stored)
+    return len(keys)
+
+
 def poison_pool(pool_name: str, *, resize: bool = False) -> int:
     """Overwrite every stored chunk with random bytes (or bytes of the wrong size)."""
     import numpy as np

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.backends.memory import shared_memory_pool
 from kvpool.integrations.vllm import local_scheduler, local_worker
 from kvpool.testing.engine import assert_same_greedy, engine, generate_greedy
 
-from .conftest import BLOCK, connector_config, poison_pool, random_prompts
+from .conftest import BLOCK, connector_config, damage_pool, poison_pool, random_prompts
 
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 16
+
+
+def _metric(name: str) -> float:
+    """The sum of a sample over this process's Prometheus registry, as `/metrics` serves it."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(REGISTRY).decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def _generate_with_stats(llm, prompts, max_tokens=MAX_TOKENS):
@@ -29,25 +39,57 @@ def _generate_with_stats(llm, prompts, max_tokens=MAX_TOKENS):
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_fresh_engine_loads_what_another_saved(kind, model_dir, pool_name):
     model = model_dir(kind)
+    config = connector_config(pool_name, integrity="off")  # the poison below must reach the engine
     prompts = random_prompts(2, 300, seed=1)
     with engine(model, block_size=BLOCK) as llm:
         baseline = generate_greedy(llm, prompts, MAX_TOKENS)
-    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
         saved, save_stats, _, live_workers, live_scheduler = _generate_with_stats(llm, prompts)
     assert save_stats.chunks_put > 0
     assert (live_workers, live_scheduler) == (0, 0), "per-request state leaked"
     assert_same_greedy(baseline, saved)
-    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
         loaded, load_stats, _, _, _ = _generate_with_stats(llm, prompts)
     assert [r.num_cached_tokens for r in loaded] == [256, 256]
     assert load_stats.chunks_loaded > 0 and load_stats.chunks_load_failed == 0
     assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
 
     assert poison_pool(pool_name) > 0
-    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
         poisoned, poison_stats, _, _, _ = _generate_with_stats(llm, prompts)
     assert poison_stats.chunks_loaded > 0
     assert [r.token_ids for r in poisoned] != [r.token_ids for r in baseline], "loaded KV had no effect"
+
+
+@pytest.mark.parametrize("integrity", ["off", "sampled", "full"])
+def test_a_damaged_chunk_fails_its_seal_and_is_recomputed(integrity, model_dir, pool_name):
+    """The same damage (half of each chunk's pages inverted) changes the outputs of an engine that reads
+    it unchecked; with seals, every damaged chunk is caught, counted, recomputed and dropped."""
+    model = model_dir("llama")
+    prompts = random_prompts(2, 300, seed=12)
+    config = connector_config(pool_name, integrity=integrity)
+    with engine(model, block_size=BLOCK) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        _generate_with_stats(llm, prompts)
+    damaged = damage_pool(pool_name)
+    assert damaged == 2 * (256 // BLOCK)
+    with engine(model, block_size=BLOCK, kv_transfer_config=config, disable_log_stats=False) as llm:
+        loaded, stats, _, _, _ = _generate_with_stats(llm, prompts)
+        counted = _metric("vllm:kvpool_chunks_corrupt_total")
+    if integrity == "off":
+        assert stats.chunks_loaded == damaged and stats.chunks_corrupt == 0
+        assert [r.token_ids for r in loaded] != [r.token_ids for r in baseline], "the damage had no effect"
+        return
+    assert stats.chunks_corrupt > 0 and stats.chunks_loaded == 0
+    assert counted == stats.chunks_corrupt
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
+    pool = shared_memory_pool(pool_name, 256 << 20)
+    assert len(pool.keys()) == damaged, "the recomputed chunks were stored again"
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        again, again_stats, _, _, _ = _generate_with_stats(llm, prompts)
+    assert again_stats.chunks_loaded == damaged and again_stats.chunks_corrupt == 0
+    assert [r.token_ids for r in again] == [r.token_ids for r in baseline]
 
 
 @pytest.mark.parametrize(
@@ -201,3 +243,72 @@ def test_a_chunk_lost_between_lookup_and_load_never_leaves_a_window_unfilled(mod
     assert stats.chunks_loaded == 2  # chunk 6 of each prompt did arrive
     assert [r.num_cached_tokens for r in loaded] == [0, 0]  # recomputed from the start
     assert_same_greedy(baseline, loaded)
+
+
+@pytest.mark.parametrize("retention", ["engine", None])
+def test_explain_says_what_the_engine_then_loads_on_a_hybrid_model(retention, model_dir, pool_name):
+    """On a hybrid model (full + sliding window), the explanation of each prompt, taken on the engine that
+    then runs it, names the hit the engine loads (local cache emptied first: every cached token is a
+    pool hit) and the chunks it loads."""
+    from kvpool.explain import StopReason
+    from kvpool.integrations.vllm_explain import explain_prompt
+
+    model = model_dir("gemma3")
+    first, other = random_prompts(2, 300, seed=13)
+    prompts = {"same": first, "diverges": first[:200] + other[200:], "short": first[:100]}
+    config = connector_config(pool_name, retention_interval=retention)
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        _generate_with_stats(llm, [first])
+    seen = {}
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        worker = local_worker()
+        assert worker is not None
+        for name, prompt in prompts.items():
+            assert llm.reset_prefix_cache()
+            explanation = explain_prompt(llm, prompt)
+            loaded_before = worker.stats.chunks_loaded
+            (result,) = generate_greedy(llm, [prompt], MAX_TOKENS)
+            assert worker.drain(30.0)
+            loads = worker.stats.chunks_loaded - loaded_before
+            assert result.num_cached_tokens == explanation.hit_tokens, (name, explanation)
+            assert loads == sum(len(group.loads) for group in explanation.groups), (name, explanation)
+            seen[name] = (explanation.hit_tokens, explanation.reason)
+    # same prompt: the 44 tokens after the 4th block never fill one; the others stop on what the pool lacks
+    expected = {
+        "engine": {  # vLLM's policy for this model: window tails only at the saved prompt's replay boundary
+            "same": (256, StopReason.PARTIAL_BLOCK),
+            "diverges": (0, StopReason.MASK),  # a hit at 64 needs a window chunk no save of it keeps
+            "short": (0, StopReason.MISSING_CHUNK),  # its own replay boundary needs one the 300-token save did not keep
+        },
+        None: {  # every boundary reachable: every window chunk stored
+            "same": (256, StopReason.PARTIAL_BLOCK),
+            "diverges": (192, StopReason.MISSING_CHUNK),  # full attention's chunk 3 holds the divergence
+            "short": (64, StopReason.PARTIAL_BLOCK),
+        },
+    }
+    assert seen == expected[retention]
+
+
+def test_inspect_explain_on_the_command_line(model_dir, pool_name, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvpool.cli import app
+
+    model = model_dir("llama")
+    (prompt,) = random_prompts(1, 300, seed=14)
+    with engine(model, block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        _generate_with_stats(llm, [prompt])
+    path = tmp_path / "prompt.txt"
+    path.write_text(" ".join(map(str, prompt)))
+    config = json.dumps(connector_config(pool_name)["kv_connector_extra_config"])
+    args = ["inspect", "explain", str(model), "--prompt", str(path), "--config", config, "--block-size", str(BLOCK)]
+    outcome = CliRunner().invoke(app, [*args, "--json"])
+    assert outcome.exit_code == 0, outcome.output
+    explanation = json.loads(outcome.output[outcome.output.index("{") :])
+    assert (explanation["hit_tokens"], explanation["reason"]) == (256, "partial_block")
+    assert explanation["groups"][0]["present"] == [True] * 4
+    bad = CliRunner().invoke(app, [*args[:5], "--config", '{"capacity_bytes": "lots"}'])
+    assert bad.exit_code == 2 and "capacity_bytes" in bad.output
+    assert CliRunner().invoke(app, [*args[:3], "--prompt", str(tmp_path / "none.txt")]).exit_code == 2

@@ -48,6 +48,7 @@ SHARED = random_prompts(2, PROMPT_TOKENS, seed=41)
 DEAD_OWNER = random_prompts(2, PROMPT_TOKENS, seed=42)
 OUTAGE = [random_prompts(3, PROMPT_TOKENS, seed=43 + i) for i in range(4)]
 HUNG = random_prompts(6, 512, seed=60)
+DAMAGED = random_prompts(2, PROMPT_TOKENS, seed=61)
 BATCH_BOUND_S = 15.0  # see test_master_killed_mid_workload
 # 9 chunks a prompt: a burst of 252 chunks (31.5 MiB), then batches of 72 (9 MiB)
 PRESSURE = [random_prompts(count, 576, seed=50 + i) for i, count in enumerate((28, 8, 8, 8))]
@@ -61,7 +62,7 @@ def llama(model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="module")
 def baseline(llama: Path) -> dict[str, list[GreedyResult]]:
     """No-connector greedy outputs of every prompt batch used below, from one engine."""
-    batches = {"shared": SHARED, "dead_owner": DEAD_OWNER, "hung": HUNG}
+    batches = {"shared": SHARED, "dead_owner": DEAD_OWNER, "hung": HUNG, "damaged": DAMAGED}
     batches.update({f"outage{i}": batch for i, batch in enumerate(OUTAGE)})
     batches.update({f"pressure{i}": batch for i, batch in enumerate(PRESSURE)})
     with engine(llama, block_size=BLOCK) as llm:
@@ -320,6 +321,43 @@ def test_killed_segment_owner_loads_fail_and_are_recomputed(llama, baseline, mas
     assert stats.loads == 2 and stats.chunks_load_failed == 2 * (256 // BLOCK) and stats.chunks_loaded == 0
     assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline["dead_owner"]]
     assert wall < BATCH_BOUND_S, f"loads from a dead segment owner took {wall:.1f} s"
+
+
+def test_a_chunk_damaged_in_mooncake_fails_its_seal_and_is_recomputed(llama, baseline, masters):
+    """A saves with seals; each stored chunk is then replaced by a damaged copy, seal kept (a
+    transfer or a segment gone bad); B's loads catch every one, recompute, count and drop them."""
+    from kvpool.backends.mooncake import MooncakeBackend
+    from kvpool.integrity import SEAL_BYTES
+
+    from .conftest import damage
+
+    master = masters("--default_kv_lease_ttl=50")  # a read leases a key: let the damage replace it soon
+    with SegmentHolder(master.address, 64 << 20):
+        config = mooncake_connector(master, global_segment_size=0, kvpool={"integrity": "sampled"})
+        with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+            worker = local_worker()
+            assert worker is not None
+            put_keys: list[str] = []
+            put = worker.backend.put
+            worker.backend.put = lambda keys, values: put_keys.extend(keys) or put(keys, values)  # type: ignore[method-assign]
+            generate_greedy(llm, DAMAGED, MAX_TOKENS)
+            settle(llm)
+        assert len(put_keys) == 2 * (PROMPT_TOKENS // BLOCK)
+        client = MooncakeBackend.from_options({**master.backend_options(), "global_segment_size": 0})
+        try:
+            for key in put_keys:
+                value = np.zeros(CHUNK_BYTES + SEAL_BYTES, np.uint8)
+                assert client.get_into([key], [[value]]) == [Status.OK]
+                wait_until(lambda key=key: client.remove([key]) == 1, 10.0, f"removing {key}")
+                assert client.put([key], [[damage(value)]]) == [Status.OK]
+        finally:
+            client.close()
+        with engine(llama, block_size=BLOCK, kv_transfer_config=config) as llm:
+            loaded = generate_greedy(llm, DAMAGED, MAX_TOKENS)
+            stats = settle(llm).stats
+    assert stats.chunks_corrupt == 2 * (256 // BLOCK) and stats.chunks_loaded == 0
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline["damaged"]]
+    assert stats.chunks_put == 2 * (256 // BLOCK), "the recomputed chunks were not stored again"
 
 
 # ---------------------------------------------------------------------------------------------- d

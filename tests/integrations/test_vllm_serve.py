@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from kvpool.cli import app
 from kvpool.testing.server import openai_server
 
 from .conftest import random_prompts
@@ -85,7 +87,10 @@ def serve(model: Path, tp: int, prompts: list[list[int]], **extra: Any) -> list[
     }
     with openai_server(model, **settings, **extra) as server:
         results = [server.complete(prompt, MAX_TOKENS) for prompt in prompts]
-        results.append({"metrics": server.metrics()})
+        tail: dict[str, Any] = {"metrics": server.metrics()}
+        if "kv_transfer_config" in extra:  # what an operator's `kvpool inspect engine` reads
+            tail["inspect"] = CliRunner().invoke(app, ["inspect", "engine", server.url, "--json"])
+        results.append(tail)
     return results
 
 
@@ -126,6 +131,11 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
     metrics = tail["metrics"]
     assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= 6 * 384, metrics
     assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
+    inspected = tail["inspect"]
+    assert inspected.exit_code == 0, inspected.output
+    engines = json.loads(inspected.output)
+    assert engines["0"]["chunks_loaded_total"] == metrics["vllm:kvpool_chunks_loaded_total"]
+    assert engines["0"]["pool_keys"] >= 6 * 6 and engines["0"]["pool_used_bytes"] > 0
     # the pool announced exactly the blocks vLLM announced for the prompts' full blocks, never withdrew them
     stored = subscriber.hashes("BlockStored", "CPU")
     removed = subscriber.hashes("BlockRemoved", "CPU")

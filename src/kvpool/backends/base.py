@@ -83,6 +83,7 @@ class Status(enum.IntEnum):
     SIZE_MISMATCH = 3  # the destination pieces do not add up to the stored size
     UNAVAILABLE = 4  # the backend is down or unhealthy; counts as a miss
     ERROR = 5  # any other failure
+    CORRUPT = 6  # the bytes arrived but fail their seal (see integrity.py)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from kvpool.integrations.vllm_metrics import (
     SchedulerStatsSampler,
     WorkerStatsSampler,
 )
+from kvpool.integrity import Integrity
 from kvpool.keys import LayoutFingerprint
 from kvpool.layout import KVLayout
 from kvpool.masks import MaskCoordinator
@@ -171,6 +172,7 @@ def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: 
             hash_algo=f"{hash_algo}:{os.environ.get('PYTHONHASHSEED', '')}",
             weights=weights,
             tenant=config.tenant,
+            integrity="" if config.integrity == Integrity.OFF else config.integrity,
         )
         for group_id, (spec, kind) in enumerate(zip(specs, kinds))
     ]
@@ -381,7 +383,9 @@ class _WorkerSide:
             name: group for group, spec in enumerate(kv_config.kv_cache_groups) for name in spec.layer_names
         }
         tensors = {name: tensor for name, tensor in kv_caches.items() if name in layer_groups}
-        self.engine.register_layout(KVLayout(tensors, layer_groups, kv_config.num_blocks))
+        self.engine.register_layout(
+            KVLayout(tensors, layer_groups, kv_config.num_blocks, integrity=Integrity(self.connector.config.integrity))
+        )
 
     def before_step(self, step: StepMetadata) -> None:
         self.engine.handle_step(step)

@@ -89,6 +89,9 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("chunks_loaded", "chunks_loaded", "KV chunks loaded from the pool into engine blocks."),
     MetricSpec("bytes_loaded", "bytes_loaded", "Bytes of KV loaded from the pool."),
     MetricSpec("chunks_load_failed", "chunks_load_failed", "Chunks whose load failed (recomputed by the engine)."),
+    MetricSpec(
+        "chunks_corrupt", "chunks_corrupt", "Loaded chunks whose seal did not match their bytes (failed, recomputed)."
+    ),
     MetricSpec("bytes_captured", "bytes_captured", "Bytes copied out of engine blocks in the step, for async puts."),
     MetricSpec("pressure_events", "pressure_events", "Times the pool reported no room (saves paused)."),
 )
