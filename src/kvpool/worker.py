@@ -9,9 +9,11 @@ abort or finish, slide it out of a window, zero it or copy into it (vLLM's Model
 *before* the connector's pre-forward hook, V1 after it) - cannot reach a stored chunk. No fence, no
 delayed frees, the same guarantee in every runner order.
 
-Each request keeps two high-water marks: `planned_mark` (tokens covered by captured saves) and
-`stored_mark` (tokens known stored; advances only when a whole range succeeded). A failed range
-re-plans from `stored_mark`, so the next save of the request retries it while its blocks live.
+`WorkerEngine` is the facade the engine calls. What it knows of each request, and the save ranges
+planned from that with two high-water marks, is `SavePlanner`'s (`save_plan.py`); the captured batch
+is `save_batch.py`'s, its async put `sender.py`'s, loads `loader.py`'s. One lock guards the planner,
+the reset epoch and the pressure gate: the sender's and the loader's threads end batches and loads
+while the engine's thread plans the next.
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool.backends.base import Backend, Status
-from kvpool.chunks import ChunkRef, chunk_range
+from kvpool.chunks import ChunkRef
 from kvpool.errors import LayoutError
 from kvpool.index import PoolTracker
-from kvpool.keys import chunk_hashes
-from kvpool.layout import NULL_BLOCK_ID, KVLayout
+from kvpool.layout import KVLayout
 from kvpool.loader import Loader
 from kvpool.masks import MaskCoordinator
 from kvpool.metadata import RequestDelta, StepMetadata
 from kvpool.plan import GroupPlacement
-from kvpool.save_batch import SaveBatch, SaveRange
+from kvpool.save_batch import SaveBatch
+from kvpool.save_plan import SavePlanner
 from kvpool.sender import Sender
 
 log = logging.getLogger("kvpool.worker")
@@ -76,22 +78,6 @@ class WorkerStats:
     resets: int = 0
 
 
-@dataclass
-class _RequestState:
-    req_id: str
-    num_prompt_tokens: int
-    hashes: list[bytes] = field(default_factory=list)
-    blocks: list[list[int]] = field(default_factory=list)
-    stored_mark: int = 0  # tokens this rank knows are stored (advances on full success only)
-    planned_mark: int = 0  # tokens covered by captured saves
-    computed_before: int = 0
-    in_flight: int = 0  # save batches holding a range of this request
-    finished: bool = False
-    dropped: bool = False  # preempted or retired: a later delta starts a new state
-    frozen: bool = False  # alive across a pool reset: its KV mixes old and new, never saved again
-    unsaved_step: int = -1  # the step whose in-step load failed: its forward computed on unwritten blocks
-
-
 @dataclass(frozen=True)
 class LoadFailures:
     """What to tell the engine about failed loads: blocks to recompute from, or requests to redo."""
@@ -123,7 +109,7 @@ class WorkerEngine:
         self.stats = WorkerStats()
         self._lock = threading.Lock()
         self._puts_done = threading.Condition(self._lock)
-        self._states: dict[str, _RequestState] = {}
+        self._planner = SavePlanner(coordinator, self.placements, self.stats)
         self._seq = 0
         self._steps = 0  # engine steps applied (one `apply` each)
         self._epoch = 0
@@ -165,7 +151,9 @@ class WorkerEngine:
         the step asks for."""
         self._steps += 1
         for delta in deltas:
-            if self._update_state(delta) is not None and delta.load is not None:
+            with self._lock:
+                tracked = self._planner.update(delta)
+            if tracked and delta.load is not None:
                 self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens, in_step=delta.load.in_step)
 
     def save(self, deltas: Iterable[RequestDelta]) -> None:
@@ -195,116 +183,24 @@ class WorkerEngine:
     def save_request(self, req_id: str, token_len: int, computed_before: int = 0) -> None:
         self.save([RequestDelta(req_id, save_tokens=token_len, computed_before=computed_before)])
 
-    # ---- request state -----------------------------------------------------------------------
-
-    def _update_state(self, delta: RequestDelta) -> _RequestState | None:
-        with self._lock:
-            state = self._states.get(delta.req_id)
-            if state is None or state.dropped:
-                if not delta.num_prompt_tokens:
-                    # only a request's first delta carries its hashes from 0: a state built from a later
-                    # one would pair chunks with the wrong hashes
-                    return None
-                state = _RequestState(
-                    delta.req_id,
-                    delta.num_prompt_tokens,
-                    blocks=[[] for _ in self.placements],
-                    stored_mark=delta.stored_tokens,
-                    planned_mark=delta.stored_tokens,
-                )
-                self._states[delta.req_id] = state
-            if delta.new_hashes:
-                state.hashes.extend(delta.new_hashes)
-            if delta.new_blocks is not None:
-                if len(delta.new_blocks) != len(self.placements):
-                    raise LayoutError(
-                        f"request {delta.req_id!r}: {len(delta.new_blocks)} block lists "
-                        f"for {len(self.placements)} groups"
-                    )
-                for table, new in zip(state.blocks, delta.new_blocks):
-                    if delta.replace_blocks:
-                        table.clear()
-                    table.extend(new)
-            state.computed_before = max(state.computed_before, delta.computed_before)
-            return state
-
     def _plan_batch(self, deltas: Iterable[RequestDelta]) -> SaveBatch | None:
-        """Under the lock: the new chunks of every request in `deltas`, marks advanced past them."""
-        ranges: list[SaveRange] = []
-        items: list[ChunkRef] = []
-        coord = self.coordinator
-        for delta in deltas:
-            if delta.save_tokens <= 0:
-                continue
-            state = self._states.get(delta.req_id)
-            if state is None or state.dropped or state.finished or state.frozen:
-                continue
-            if state.unsaved_step == self._steps:
-                continue  # the engine recomputes this step's work in a later step, whose save covers it
-            state.computed_before = max(state.computed_before, delta.computed_before)
-            hashed = len(state.hashes) * coord.hash_block_size
-            end = coord.align(min(delta.save_tokens, hashed))
-            if end <= state.planned_mark:
-                continue
-            planned = self._plan(state, state.planned_mark, end)
-            ranges.append(SaveRange(state, state.planned_mark, end, len(planned)))
-            items.extend(planned)
-            state.planned_mark = end
-            state.in_flight += 1
+        """Under the lock: the step's new ranges as this epoch's next batch (None: nothing new)."""
+        ranges, items = self._planner.plan(deltas, self._steps)
         if not ranges:
             return None
         self._seq += 1
         self.stats.save_jobs += 1
         return SaveBatch(self._seq, self._epoch, ranges, items)
 
-    def _plan(self, state: _RequestState, start: int, end: int) -> list[ChunkRef]:
-        items: list[ChunkRef] = []
-        coord = self.coordinator
-        for group, (kind, placement) in enumerate(zip(coord.kinds, self.placements)):
-            hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
-            table = state.blocks[group]
-            mask = coord.store_mask(group, end, start, state.num_prompt_tokens)
-            first_live = kind.first_live_chunk(state.computed_before)
-            chunks = chunk_range(
-                end,
-                len(hashes),
-                start,
-                mask,
-                block_size=kind.block_size,
-                put_step=placement.put_step,
-                put_step_rank=placement.put_step_rank,
-            )
-            for chunk in chunks:
-                block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
-                if block_id == NULL_BLOCK_ID or chunk < first_live:
-                    self.stats.chunks_unreadable += 1
-                    continue
-                parent = hashes[chunk - 1] if chunk else b""
-                items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk]), parent))
-        return items
-
     def preempt(self, req_ids: Iterable[str]) -> None:
         """Forget the requests (the engine frees their blocks now; captured saves still land)."""
         with self._lock:
-            for req_id in req_ids:
-                state = self._states.pop(req_id, None)
-                if state is not None:
-                    state.dropped = True
+            self._planner.preempt(req_ids)
 
     def finish(self, req_ids: Iterable[str]) -> None:
         """The requests are done; their state goes once their captured saves are put."""
         with self._lock:
-            for req_id in req_ids:
-                state = self._states.get(req_id)
-                if state is not None:
-                    state.finished = True
-                    if not state.in_flight:
-                        self._retire(state)
-
-    def _retire(self, state: _RequestState) -> None:
-        if self._states.get(state.req_id) is state:
-            del self._states[state.req_id]
-        state.dropped = True
+            self._planner.finish(req_ids)
 
     def reset(self, epoch: int, wait_s: float = RESET_WAIT_S) -> int:
         """Empty the pool (vLLM `reset_prefix_cache(reset_connector=True)`, maybe for new weights) so
@@ -316,8 +212,7 @@ class WorkerEngine:
         run it at their next step, before any load of that step."""
         with self._lock:
             self._epoch = epoch
-            for state in self._states.values():
-                state.frozen = True
+            self._planner.freeze_all()
             self.stats.resets += 1
             deadline = time.monotonic() + wait_s
             while self._putting_epoch is not None and self._putting_epoch < epoch:
@@ -399,20 +294,7 @@ class WorkerEngine:
     def _end_batch(self, batch: SaveBatch, results: list[Status]) -> None:
         batch.captured = None  # the host copies are done with
         with self._lock:
-            offset = 0
-            for part in batch.ranges:
-                state = part.state
-                ok = all(status is Status.OK for status in results[offset : offset + part.count])
-                offset += part.count
-                state.in_flight -= 1
-                if not state.dropped:
-                    if ok and state.stored_mark >= part.start:
-                        state.stored_mark = max(state.stored_mark, part.end)
-                    elif not ok:
-                        # re-plan from what is really stored: the next save of the request retries the range
-                        state.planned_mark = min(state.planned_mark, state.stored_mark)
-                if state.finished and not state.in_flight:
-                    self._retire(state)
+            self._planner.end_ranges(batch.ranges, results)
             if Status.FULL in results:
                 if not self._pressure:
                     self.stats.pressure_events += 1
@@ -435,48 +317,22 @@ class WorkerEngine:
     def load(self, req_id: str, start_tokens: int, hit_tokens: int, *, in_step: bool = False) -> None:
         """Load the chunks of a hit of `hit_tokens` from `start_tokens` on into the request's blocks.
         `in_step`: the engine computes on them in this step (a sync load, never reported finished)."""
-        coord = self.coordinator
-        items: list[ChunkRef] = []
-        missing: list[ChunkRef] = []
         with self._lock:
-            state = self._states.get(req_id)
-            if state is None:
-                return
-            masks = coord.load_masks(hit_tokens)
-            for group, (kind, placement) in enumerate(zip(coord.kinds, self.placements)):
-                hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
-                table = state.blocks[group]
-                mask = masks[group]
-                if mask is not None:
-                    mask = mask[-(-start_tokens // kind.block_size) :]
-                for chunk in chunk_range(
-                    hit_tokens, hit_tokens // kind.block_size, start_tokens, mask, block_size=kind.block_size
-                ):
-                    block_id = table[chunk] if chunk < len(table) else NULL_BLOCK_ID
-                    if block_id == NULL_BLOCK_ID:
-                        continue
-                    if chunk >= len(hashes):  # no hash, no key: only blocks this load was to fill fail
-                        missing.append(ChunkRef(group, chunk, block_id, ""))
-                        continue
-                    items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk])))
+            chunks = self._planner.load_chunks(req_id, start_tokens, hit_tokens)
+        if chunks is None:
+            return
+        items, missing = chunks
         self.loader.start(req_id, items, missing, report_finished=not in_step)
         if in_step and self.loader.failed_in_step(req_id):
             with self._lock:
-                state = self._states.get(req_id)
-                if state is not None:
-                    state.unsaved_step = self._steps  # this step computes on blocks the load did not fill
+                self._planner.load_failed_in_step(req_id, self._steps)
 
     def _load_done(self, req_id: str, failed: list[ChunkRef]) -> None:
         """A load ended; the chunks from the first failed one on are not in the pool: save them again."""
         if not failed:
             return
-        kinds = self.coordinator.kinds
-        first = self.coordinator.align(min(item.chunk * kinds[item.group].block_size for item in failed))
         with self._lock:
-            state = self._states.get(req_id)
-            if state is not None:
-                state.stored_mark = min(state.stored_mark, first)
-                state.planned_mark = min(state.planned_mark, first)
+            self._planner.load_failed(req_id, failed)
 
     # ---- results for the engine ---------------------------------------------------------------
 
@@ -496,12 +352,11 @@ class WorkerEngine:
 
     def active_requests(self) -> int:
         with self._lock:
-            return len(self._states)
+            return self._planner.active_requests()
 
     def stored_tokens(self, req_id: str) -> int:
         with self._lock:
-            state = self._states.get(req_id)
-            return state.stored_mark if state else 0
+            return self._planner.stored_tokens(req_id)
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save and load has run; False on timeout."""
@@ -511,4 +366,3 @@ class WorkerEngine:
     def close(self, timeout_s: float = 10.0) -> None:
         self._sender.close(timeout_s)
         self.loader.close(timeout_s)
-
