@@ -2,7 +2,8 @@
 Mooncake pool). The vLLM connector is `kvpool.integrations.vllm.KVPoolConnector`; the core below
 imports neither vLLM nor Mooncake."""
 
-from kvpool.backends.base import Backend, BackendStats, Rows, Status, create_backend
+from kvpool.backends.base import Backend, BackendStats, Rows, Status
+from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend, shared_memory_pool
 from kvpool.chunks import process_tokens
 from kvpool.config import KVPoolConfig

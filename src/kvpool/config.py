@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvpool.backends.base import BACKEND_NAMES
+from kvpool.backends.factory import BACKEND_NAMES
 from kvpool.errors import ConfigError
 from kvpool.integrity import Integrity
 from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from kvpool.backends.base import BACKEND_NAMES, Status, create_backend
+from kvpool.backends.base import Status
+from kvpool.backends.factory import BACKEND_NAMES, create_backend
 from kvpool.backends.memory import MemoryBackend, drop_shared_memory_pools, shared_memory_pool
 from kvpool.errors import ConfigError
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.backends.base import Status, create_backend
+from kvpool.backends.base import Status
+from kvpool.backends.factory import create_backend
 from kvpool.backends.mooncake import MooncakeBackend, MooncakeErrorCode, MooncakeOptions, status_of
 from kvpool.errors import BackendUnavailableError, ConfigError
 from kvpool.sizes import parse_size

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvpool.backends.base import Rows, Status
-from kvpool.backends.mooncake import MooncakeBackend, _Batch, _pack, _Route
+from kvpool.backends.mooncake import MooncakeBackend
+from kvpool.backends.mooncake.batch import _Batch, _pack, _Route
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 

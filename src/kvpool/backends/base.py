@@ -15,8 +15,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from kvpool.errors import ConfigError
-
 Buffer = Any  # anything exposing the buffer protocol (numpy array, memoryview, bytearray)
 Value = Sequence[Buffer]
 
@@ -133,20 +131,3 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-BACKEND_NAMES = ("memory", "mooncake")
-
-
-def create_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
-    """Build a backend by name; options are the backend's own settings (already validated)."""
-    options = dict(options or {})
-    if name == "memory":
-        from kvpool.backends.memory import shared_memory_pool
-
-        return shared_memory_pool(**options)
-    if name == "mooncake":
-        from kvpool.backends.mooncake import MooncakeBackend
-
-        return MooncakeBackend.from_options(options)
-    raise ConfigError("backend", name, f"one of {', '.join(BACKEND_NAMES)}")

@@ -160,7 +160,7 @@ class _Raw:
     """Raw Mooncake calls on the backend's own native client (same connection, same placement)."""
 
     def __init__(self, backend: Any) -> None:
-        self.store = backend._store
+        self.store = backend.native_store
         self.config = backend._replicate
 
     def put(self, keys: list[str], data: _Data) -> None:

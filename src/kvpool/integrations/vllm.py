@@ -27,7 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvpool.backends.base import Backend, create_backend
+from kvpool.backends.base import Backend
+from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.config import KVPoolConfig
 from kvpool.errors import LayoutError
