@@ -12,8 +12,11 @@ import numpy as np
 
 from kvpool.backends.base import Rows, Status
 from kvpool.buffers import as_u8
+from kvpool.device_copy import DeviceCopier, Event, InlineRuntime, Runtime, Staged, StagingFull, TorchCuda
 from kvpool.errors import LayoutError
 from kvpool.integrity import SEAL_BYTES, Integrity, Sealer
+
+DEFAULT_STAGING_BYTES = 64 << 20
 
 NULL_BLOCK_ID = 0  # the engine's placeholder block: never stored from, never loaded into
 
@@ -28,8 +31,9 @@ class LayerSpec:
 class KVLayout:
     """Maps (group, block id) to the byte pieces of that block in every layer of the group.
 
-    Host tensors are addressed in place (zero copy). Device tensors go through a host staging copy,
-    so the same code serves CUDA: `save_rows` copies the blocks out before returning.
+    Host tensors are addressed in place (zero copy). Device tensors go through a host staging ring on
+    copy streams (device_copy.py): `capture_rows` starts a copy out and returns at once; its bytes are
+    valid after `Staged.wait` (the sender's thread waits, never the engine's).
 
     With `integrity` on, every value this layout hands out ends with the chunk's seal: saves compute
     it, loads read it, and `verify` checks it before `commit_rows` (integrity.py)."""
@@ -42,6 +46,8 @@ class KVLayout:
         *,
         staged: bool | None = None,
         integrity: Integrity = Integrity.OFF,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        runtime: Runtime | None = None,
     ) -> None:
         if not tensors:
             raise LayoutError("no KV tensors were registered")
@@ -80,6 +86,11 @@ class KVLayout:
         # the seal column of in-place values, one per direction: a save and a load never share a block
         self._save_seals = [np.zeros((num_blocks, SEAL_BYTES), np.uint8) for _ in self._sealers] if self.sealed else []
         self._load_seals = [np.zeros((num_blocks, SEAL_BYTES), np.uint8) for _ in self._sealers] if self.sealed else []
+        self._copier: DeviceCopier | None = None
+        if self.staged:
+            if runtime is None:
+                runtime = InlineRuntime() if _is_host(first) else TorchCuda()
+            self._copier = DeviceCopier(runtime, staging_bytes)
 
     def chunk_nbytes(self, group: int) -> int:
         """The bytes of one block of the group in every layer (without its seal)."""
@@ -90,8 +101,17 @@ class KVLayout:
         return self._sealers[group].stored_bytes
 
     def storages(self) -> list[tuple[int, int]]:
-        """(address, bytes) of each distinct storage, for backends that register memory."""
+        """(address, bytes) of each distinct storage of the engine's KV tensors."""
         return self._storages
+
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every region a pool transfer reads or writes: the KV storages and, for
+        device memory, the host staging ring (for backends that register memory, e.g. RDMA)."""
+        regions = list(self._storages)
+        if self._copier is not None:
+            ring = self._copier.ring.buffer
+            regions.append((int(ring.data_ptr()), int(ring.numel())))
+        return regions
 
     def save_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
         """The blocks' bytes in every layer of the group, as one value per block. Host memory is
@@ -105,21 +125,31 @@ class KVLayout:
             seals = self._save_seals[group]
             seals[ids] = self._sealers[group].seal_column(rows)
             return Rows((*views, seals), ids)
-        import torch
+        rows, staged = self.capture_rows(group, block_ids)
+        if staged is not None:
+            staged.wait()
+        return rows
 
-        host = torch.empty((len(ids), self._sealers[group].stored_bytes), dtype=torch.uint8)
-        offset = 0
-        for view in views:
-            blocks = view[torch.from_numpy(ids).to(view.device)].reshape(len(ids), -1).view(torch.uint8)
-            host[:, offset : offset + blocks.shape[1]].copy_(blocks)
-            offset += blocks.shape[1]
-        return self._sealed_copy(group, host.numpy())
+    def capture_rows(self, group: int, block_ids: Sequence[int]) -> tuple[Rows, Staged | None]:
+        """A host copy of the blocks the caller owns, and for device memory the copy still running:
+        the bytes are valid after `Staged.wait()`. Raises StagingFull when the staging ring is full."""
+        if not self.staged:
+            return self.copy_rows(group, block_ids), None
+        assert self._copier is not None
+        ids = self._ids(group, block_ids)
+        staged = self._copier.save(self._views[group], ids, self._sealers[group].stored_bytes)
+        if staged is None:
+            raise StagingFull(f"{len(ids)} blocks of group {group}: the host staging ring is full of copies in flight")
+        host = staged.host
+        if self.sealed:
+            staged.then = lambda: self._sealed_copy(group, host)
+        return Rows((host,), np.arange(len(ids))), staged
 
     def copy_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
         """Like `save_rows`, but always a host copy the caller owns: the engine may reuse the blocks
         as soon as this returns."""
         if self.staged:
-            return self.save_rows(group, block_ids)  # already copied out of device memory
+            return self.save_rows(group, block_ids)  # copied out of device memory, waited for
         ids = self._ids(group, block_ids)
         copies = tuple(np.take(view, ids, axis=0) for view in self._views[group])
         rows = Rows(copies, np.arange(len(ids)))
@@ -140,21 +170,26 @@ class KVLayout:
         if not self.staged and not owned:
             views = tuple(self._views[group])
             return Rows((*views, self._load_seals[group]) if self.sealed else views, ids)
-        return Rows((np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8),), np.arange(len(ids)))
+        ring = self._copier.host_rows(len(ids), self.stored_nbytes(group)) if self._copier is not None else None
+        host = ring[0] if ring is not None else np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8)
+        return Rows((host,), np.arange(len(ids)))
 
     def verify(self, group: int, rows: Rows, statuses: Sequence[Status]) -> list[Status]:
         """`statuses` of a read into `rows` (from `load_rows`), with every chunk whose seal does not
         match its bytes made CORRUPT. Call before `commit_rows`."""
         return self._sealers[group].verify(rows, statuses)
 
-    def commit_rows(self, group: int, block_ids: Sequence[int], rows: Rows, arrived: Sequence[bool]) -> None:
-        """Move the blocks that `arrived` from a `load_rows` host buffer into the engine's memory."""
+    def commit_rows(self, group: int, block_ids: Sequence[int], rows: Rows, arrived: Sequence[bool]) -> Event | None:
+        """Move the blocks that `arrived` from a `load_rows` host buffer into the engine's memory. For
+        device memory the copy runs on the load stream, the calling thread's current stream waits for
+        it on the device, and the returned event says when it is done (a load reported finished to the
+        engine from another thread must wait for it first)."""
         views = self._views[group]
         if not self.staged and rows.arrays[0] is views[0]:
-            return  # filled in place
+            return None  # filled in place
         keep = [index for index, ok in enumerate(arrived) if ok]
         if not keep:
-            return
+            return None
         if not self.staged:
             host = rows.arrays[0][keep]
             targets = self._ids(group, [block_ids[index] for index in keep])
@@ -162,19 +197,11 @@ class KVLayout:
             for view in views:
                 view[targets] = host[:, offset : offset + view.shape[1]]
                 offset += view.shape[1]
-            return
-        import torch
-
-        device_host = torch.from_numpy(rows.arrays[0][keep])
-        device_targets = torch.as_tensor([block_ids[index] for index in keep])
-        offset = 0
-        for view in views:
-            width = view[0].numel() * view.element_size()
-            part = device_host[:, offset : offset + width].contiguous()
-            view[device_targets.to(view.device)] = part.view(view.dtype).reshape(len(keep), *view.shape[1:]).to(
-                view.device
-            )
-            offset += width
+            return None
+        assert self._copier is not None
+        arrived_rows = rows.arrays[0] if len(keep) == len(arrived) else rows.arrays[0][keep]
+        blocks = self._ids(group, [block_ids[index] for index in keep]).tolist()
+        return self._copier.load(views, blocks, arrived_rows[:, : self._block_bytes[group]])
 
     def _ids(self, group: int, block_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)

@@ -173,7 +173,9 @@ class Loader:
                 rows = layout.load_rows(group, block_ids, owned=True)
                 statuses = self._bounded_get(keys, rows)
             statuses = layout.verify(group, rows, statuses)
-            layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
+            copied = layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
+            if copied is not None and self._calls is not None:
+                copied.synchronize()  # off the engine's thread: reported finished only once on the device
             for position, status in zip(positions, statuses):
                 results[position] = status
         return results

@@ -28,7 +28,10 @@ from typing import IO, Any
 from kvpool.errors import BackendUnavailableError
 
 BINARY_NAME = "mooncake_master"
-INSTALL_HINT = "pip install 'kvpool[mooncake]' (and on Debian/Ubuntu: apt-get install libibverbs1)"
+INSTALL_HINT = (
+    "pip install 'kvpool[mooncake]' (Mooncake's CUDA build; 'kvpool[mooncake-cpu]' on hosts without CUDA), "
+    "and on Debian/Ubuntu: apt-get install libibverbs1"
+)
 DEFAULT_RPC_PORT = 50051
 READY_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0

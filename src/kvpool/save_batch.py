@@ -16,6 +16,7 @@ import numpy as np
 
 from kvpool.backends.base import Backend, Rows, Status
 from kvpool.chunks import ChunkRef
+from kvpool.device_copy import Staged
 from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -41,6 +42,13 @@ class SaveBatch:
     captured: dict[int, Rows] | None = None  # per group: host copies, rows in item order; None: engine memory
     rows: list[int] = field(default_factory=list)  # per item: its row in captured[item.group]
     nbytes: int = 0
+    copying: list[Staged] = field(default_factory=list)  # device copies into `captured` still running
+
+    def wait_copied(self) -> None:
+        """The captured bytes are valid once this returns (device memory: on the caller's thread)."""
+        for staged in self.copying:
+            staged.wait()
+        self.copying.clear()
 
     def __len__(self) -> int:
         return len(self.items)
@@ -53,6 +61,7 @@ class SaveBatch:
         base: dict[int, int] = dict.fromkeys(groups, 0)  # per group: rows of the batches before
         rows: list[int] = []
         for batch in batches:
+            batch.wait_copied()
             if batch.captured is None:
                 raise ValueError(f"save batch {batch.seq} was not captured: only host copies can be merged")
             rows.extend(base[item.group] + row for item, row in zip(batch.items, batch.rows))
@@ -80,7 +89,11 @@ class SaveBatch:
             ids = groups.setdefault(item.group, [])
             self.rows.append(len(ids))
             ids.append(item.block_id)
-        self.captured = {group: layout.copy_rows(group, ids) for group, ids in groups.items()}
+        self.captured, self.copying = {}, []
+        for group, ids in groups.items():
+            self.captured[group], staged = layout.capture_rows(group, ids)
+            if staged is not None:
+                self.copying.append(staged)
         self.nbytes = sum(layout.chunk_nbytes(group) * len(ids) for group, ids in groups.items())
 
     def put(
@@ -88,6 +101,7 @@ class SaveBatch:
     ) -> list[Status]:
         """Store every item the pool does not hold; per item OK, or why not. A failed call leaves the
         items after it untried (ERROR): the worker retries their ranges as a whole."""
+        self.wait_copied()
         items = self.items
         results = [Status.OK] * len(items)
         stats.chunks_examined += len(items)

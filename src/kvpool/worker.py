@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from kvpool.backends.base import Backend, Status
 from kvpool.chunks import ChunkRef
+from kvpool.device_copy import StagingFull
 from kvpool.errors import LayoutError
 from kvpool.index import PoolTracker
 from kvpool.layout import KVLayout
@@ -131,11 +132,27 @@ class WorkerEngine:
             sync=self.config.sync_loads,
             on_done=self._load_done,
         )
+        self._registered: list[int] = []  # addresses registered with the backend, unregistered at close
+        if layout is not None:
+            self._register_memory(layout)
 
     def register_layout(self, layout: KVLayout) -> None:
         if layout.num_groups != len(self.placements):
             raise LayoutError(f"layout has {layout.num_groups} groups, the model {len(self.placements)}")
         self.layout = layout
+        self._register_memory(layout)
+
+    def _register_memory(self, layout: KVLayout) -> None:
+        """Backends whose transport moves only registered memory (Mooncake over RDMA) get the engine's KV
+        memory and the host staging ring registered now, and unregistered at close."""
+        if not getattr(self.backend, "registers_kv_memory", False):
+            return
+        register = self.backend.register_region  # type: ignore[attr-defined]
+        for address, nbytes in layout.memory_regions():
+            if register(address, nbytes):
+                self._registered.append(address)
+            else:
+                log.warning("registering %d bytes of KV memory at %#x with the pool failed", nbytes, address)
 
     # ---- per-step entry points -------------------------------------------------------------
 
@@ -164,8 +181,8 @@ class WorkerEngine:
         self._sender.step()
         if batch is None:
             return
-        if self.config.sync_saves:
-            self._store(batch)
+        if self.config.sync_saves and not (self.layout is not None and self.layout.staged):
+            self._store(batch)  # the embedded pool's put is the copy; device memory is copied on a stream
             return
         if not self.backend.healthy():
             self._drop_batch(batch)  # copying out for a pool that refuses calls is wasted; re-planned later
@@ -173,6 +190,9 @@ class WorkerEngine:
         try:
             batch.capture(self._layout())
             self.stats.bytes_captured += batch.nbytes
+        except StagingFull:
+            self._drop_batch(batch)  # the host staging ring is full of copies in flight: re-planned later
+            return
         except Exception:
             log.exception("copying %d chunks out of the engine failed; they are not saved", len(batch.items))
             self._end_batch(batch, [Status.ERROR] * len(batch.items))
@@ -366,3 +386,5 @@ class WorkerEngine:
     def close(self, timeout_s: float = 10.0) -> None:
         self._sender.close(timeout_s)
         self.loader.close(timeout_s)
+        while self._registered:  # after the last transfer that may read or write it
+            self.backend.unregister_region(self._registered.pop())  # type: ignore[attr-defined]

@@ -100,7 +100,7 @@ def _cells(block: int, tokens: int, reps: int, backend: Any) -> list[dict[str, A
                 part = keys[first : first + 256]
                 backend.put(part, [[np.zeros(64, np.uint8)]] * len(part))
         rows.append(_row("mooncake", block, tokens, stored, _lookups(coord, space, backend.exists, hashes, reps)))
-        store = backend._store  # the native client: the floor of any lookup of these keys
+        store = backend.native_store  # the native client: the floor of any lookup of these keys
         rows.append(_row("raw", block, tokens, stored, _time(partial(store.batch_is_exist, keys), reps)))
     return rows
 

@@ -161,7 +161,7 @@ class _Raw:
 
     def __init__(self, backend: Any) -> None:
         self.store = backend.native_store
-        self.config = backend._replicate
+        self.config = backend.replicate_config
 
     def put(self, keys: list[str], data: _Data) -> None:
         self._stored(self.store.batch_put_from(keys, data.src_ptrs, data.sizes, self.config), "batch_put_from")

@@ -385,7 +385,13 @@ class _WorkerSide:
         }
         tensors = {name: tensor for name, tensor in kv_caches.items() if name in layer_groups}
         self.engine.register_layout(
-            KVLayout(tensors, layer_groups, kv_config.num_blocks, integrity=Integrity(self.connector.config.integrity))
+            KVLayout(
+                tensors,
+                layer_groups,
+                kv_config.num_blocks,
+                integrity=Integrity(self.connector.config.integrity),
+                staging_bytes=self.connector.config.save_buffer_bytes,  # device KV: the pinned staging ring
+            )
         )
 
     def before_step(self, step: StepMetadata) -> None:

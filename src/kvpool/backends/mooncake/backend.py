@@ -134,6 +134,12 @@ class MooncakeBackend:
         Nothing but benchmarks should use it."""
         return self._store
 
+    @property
+    def replicate_config(self) -> Any:
+        """The native `ReplicateConfig` kvpool's puts use (replicas, preferred segment), for benchmarks
+        that make the same raw calls."""
+        return self._replicate
+
     def healthy(self) -> bool:
         return self._gate.healthy()
 
@@ -219,7 +225,20 @@ class MooncakeBackend:
         """Register caller memory (e.g. the engine's KV tensors) with the transfer engine. Optional on
         TCP; RDMA can only move single- and multi-piece values from registered memory."""
         view = as_u8(buffer)
-        code = self._guarded(lambda: self._store.register_buffer(view.ctypes.data, view.size), lambda _: None)
+        return self.register_region(view.ctypes.data, view.size)
+
+    @property
+    def registers_kv_memory(self) -> bool:
+        """Whether the engine's KV memory should be registered (`register_kv_memory`, or RDMA)."""
+        return self.options.registers_kv_memory
+
+    def register_region(self, address: int, nbytes: int) -> bool:
+        """Register [address, address + nbytes) (host or device memory) with the transfer engine."""
+        code = self._guarded(lambda: self._store.register_buffer(address, nbytes), lambda _: None)
+        return code == 0
+
+    def unregister_region(self, address: int) -> bool:
+        code = self._guarded(lambda: self._store.unregister_buffer(address), lambda _: None)
         return code == 0
 
     def __repr__(self) -> str:

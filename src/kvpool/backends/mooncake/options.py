@@ -46,6 +46,13 @@ class MooncakeOptions:
     replica_num: int = 1
     breaker_cooldown_s: float = 2.0
     staging_bytes: int = 64 << 20
+    # register the engine's KV memory (and kvpool's host staging ring) with the transfer engine; None:
+    # when the protocol needs it (RDMA moves only registered memory; TCP reads any address)
+    register_kv_memory: bool | None = None
+
+    @property
+    def registers_kv_memory(self) -> bool:
+        return self.protocol == "rdma" if self.register_kv_memory is None else self.register_kv_memory
 
     @classmethod
     def allowed_keys(cls) -> list[str]:
@@ -78,6 +85,8 @@ class MooncakeOptions:
                 raise ConfigError(key, merged[key], "an integer >= 1")
         if not isinstance(merged["prefer_local_segment"], bool):
             raise ConfigError("prefer_local_segment", merged["prefer_local_segment"], "true or false")
+        if merged["register_kv_memory"] is not None and not isinstance(merged["register_kv_memory"], bool):
+            raise ConfigError("register_kv_memory", merged["register_kv_memory"], "true, false or null (for RDMA)")
         cooldown = merged["breaker_cooldown_s"]
         if not isinstance(cooldown, (int, float)) or isinstance(cooldown, bool) or not 0 < cooldown <= 3600:
             raise ConfigError("breaker_cooldown_s", cooldown, "seconds, > 0 and <= 3600")
@@ -94,6 +103,7 @@ class MooncakeOptions:
             replica_num=merged["replica_num"],
             breaker_cooldown_s=float(cooldown),
             staging_bytes=parse_size("staging_bytes", merged["staging_bytes"], allow_zero=True),
+            register_kv_memory=merged["register_kv_memory"],
         )
 
 
