@@ -19,7 +19,6 @@ def test_every_fingerprint_field_changes_the_prefix() -> None:
         "block_size": 32,
         "kv_layout": "cuda:NHD",
         "chunk_bytes": 1,
-        "num_layers": 2,
         "tp_shard": 1,
         "pp_rank": 1,
         "pp_size": 2,

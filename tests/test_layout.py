@@ -25,7 +25,6 @@ def test_blocks_first_and_kv_outer_layers() -> None:
     other = np.full((num_blocks, 5), 7, dtype=np.uint8)
     layout = KVLayout({"a": first, "b": outer, "c": other}, {"a": 0, "b": 0, "c": 1}, num_blocks)
     assert layout.num_groups == 2
-    assert [spec.kv_outer for spec in layout.layers] == [False, True, False]
     assert layout.chunk_nbytes(0) == 16 + 24
     assert layout.chunk_nbytes(1) == 5
     assert not layout.staged

@@ -24,7 +24,6 @@ class LayoutFingerprint:
     block_size: int
     kv_layout: str  # tensor layout and packing, e.g. "cpu:LBHNC:amx" (CPU packs K/V per ISA)
     chunk_bytes: int = 0
-    num_layers: int = 0
     tp_shard: int = 0  # tp_rank // ranks holding identical bytes
     pp_rank: int = 0
     pp_size: int = 1  # a pipeline split decides which layers a rank's chunk holds

@@ -5,7 +5,6 @@ block (the CPU backend per instruction set), so bytes are copied block-wise, nev
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,13 +18,6 @@ from kvpool.integrity import SEAL_BYTES, Integrity, Sealer
 DEFAULT_STAGING_BYTES = 64 << 20
 
 NULL_BLOCK_ID = 0  # the engine's placeholder block: never stored from, never loaded into
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    name: str
-    group: int
-    kv_outer: bool  # (2, num_blocks, ...) instead of (num_blocks, ...)
 
 
 class KVLayout:
@@ -56,7 +48,6 @@ class KVLayout:
             raise LayoutError(f"layers {missing} have no KV cache group")
         self.num_blocks = num_blocks
         self.num_groups = max(layer_groups.values()) + 1
-        self.layers: list[LayerSpec] = []
         self._views: list[list[Any]] = [[] for _ in range(self.num_groups)]
         first = next(iter(tensors.values()))
         self.staged = staged if staged is not None else not _is_host(first)
@@ -71,7 +62,6 @@ class KVLayout:
                     f"layer {name!r} has shape {shape}: expected ({num_blocks}, ...) or (2, {num_blocks}, ...)"
                 )
             group = layer_groups[name]
-            self.layers.append(LayerSpec(name, group, kv_outer))
             halves = [tensor[0], tensor[1]] if kv_outer else [tensor]
             for half in halves:
                 try:

@@ -3,7 +3,7 @@
 Engines' own clients can contribute zero bytes (`global_segment_size: 0`), so what they store outlives
 them only where some other client mounted a segment: on a cluster, `kvpool segment` on each memory
 host. Objects placed on a segment vanish when its owner closes (a clean stop) and read as errors until
-the master's `client_ttl` expires when the owner dies without closing (mooncake-store.md, item 11).
+the master's `client_ttl` expires when the owner dies without closing (~11 s measured).
 
 * `serve_segment`: the `kvpool segment` command: mount, print "ready" and the segment, hold until
   SIGTERM, SIGINT or (`until_stdin_closes`) the end of standard input, then close.

@@ -1,4 +1,4 @@
-"""The connector on real vLLM CPU engines over a real Mooncake master (mooncake-store.md, vllm-cpu-testing.md).
+"""The connector on real vLLM CPU engines over a real Mooncake master.
 
 Every test compares greedy tokens with a no-connector run of the same engine settings (one baseline
 engine for the module) and checks where the tokens came from (num_cached_tokens, worker stats).

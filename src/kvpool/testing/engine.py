@@ -1,6 +1,6 @@
 """Real vLLM CPU engines for tests and the demo, plus tie-aware greedy comparison.
 
-Recipes and pitfalls: ``shared/reference/vllm-cpu-testing.md`` (§4 settings, §5 shutdown, §11 ties).
+The settings, the shutdown order and the tie handling below are what vLLM's CPU build needs.
 
 * :func:`engine` -- context manager yielding a ``vllm.LLM`` built with the CPU-safe settings
   (``kv_cache_memory_bytes`` set, block size a multiple of 32, ``enforce_eager``,

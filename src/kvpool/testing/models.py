@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints for real-engine tests, written locally (no download).
 
 ``make_tiny_model(kind, directory)`` writes a ~1M-parameter bf16 checkpoint that vLLM's CPU
-backend can load. The configs follow ``shared/reference/vllm-cpu-testing.md`` §3 and §11:
+backend can load. The configs are chosen so that a test on them can fail:
 
 * ``llama``  -- ``LlamaForCausalLM``; ``initializer_range=0.1`` (HF's default 0.02 makes a tiny
   Llama collapse into a few repeated tokens that ignore the context, so a load test could not

@@ -1,6 +1,6 @@
 """vLLM's OpenAI server on the CPU build, for tests and benchmarks: one lifecycle, one place.
 
-Recipe: ``shared/reference/vllm-cpu-testing.md`` §13. The server runs as
+The server runs as
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of ``vllm-cpu``
 fails on its package metadata), bound to 127.0.0.1 on a free port, in its own session so that
 stopping it stops every process it spawned (EngineCore, TP workers). Prompts go in as token ids.

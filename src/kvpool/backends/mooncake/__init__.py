@@ -1,6 +1,6 @@
 """The distributed pool: kvpool's Backend protocol over a real Mooncake Store (`mooncake.store`).
 
-Three things shape this package (measured facts in shared/reference/mooncake-store.md):
+Three measured facts of Mooncake 0.3.13 shape this package:
 - The native client segfaults when used before setup() or after close(), so every native call passes
   a gate (state + in-flight count) and close() waits for in-flight calls before closing the client.
 - A dead master makes every RPC block ~4.3 s (a hung one: 30 s). A circuit breaker (health_check before
