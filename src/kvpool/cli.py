@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -265,9 +266,21 @@ inspect_app = typer.Typer(no_args_is_help=True, help="What a running pool holds,
 app.add_typer(inspect_app, name="inspect")
 
 
-def _unreachable(exc: Exception) -> typer.Exit:
-    typer.echo(f"kvpool inspect: {exc}", err=True)
-    return typer.Exit(1)
+def _inspect(
+    read: Callable[[], Any], as_json: bool, to_json: Callable[[Any], Any], show: Callable[[Any], None]
+) -> None:
+    """Print what `read()` answers, as JSON or a table; exit 1 when the address did not answer."""
+    from kvpool.inspection import Unreachable
+
+    try:
+        answer = read()
+    except Unreachable as exc:
+        typer.echo(f"kvpool inspect: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if as_json:
+        typer.echo(json.dumps(to_json(answer), indent=2))
+    else:
+        show(answer)
 
 
 @inspect_app.command("master")
@@ -278,14 +291,7 @@ def inspect_master(
     """Keys and bytes per kvpool namespace, memory and evictions of a Mooncake master (exit 1: no answer)."""
     from kvpool import inspection
 
-    try:
-        report = inspection.inspect_master(url)
-    except inspection.Unreachable as exc:
-        raise _unreachable(exc) from exc
-    if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
-    else:
-        inspection.print_master(report)
+    _inspect(lambda: inspection.inspect_master(url), as_json, lambda report: report.to_dict(), inspection.print_master)
 
 
 @inspect_app.command("engine")
@@ -296,14 +302,12 @@ def inspect_engine(
     """kvpool's counters and each engine's embedded pool, from the server's /metrics (exit 1: no answer)."""
     from kvpool import inspection
 
-    try:
-        engines = inspection.inspect_engine(url)
-    except inspection.Unreachable as exc:
-        raise _unreachable(exc) from exc
-    if as_json:
-        typer.echo(json.dumps(engines, indent=2))
-    else:
-        inspection.print_engines(url, engines)
+    _inspect(
+        lambda: inspection.inspect_engine(url),
+        as_json,
+        lambda engines: engines,
+        lambda e: inspection.print_engines(url, e),
+    )
 
 
 @inspect_app.command("explain")
