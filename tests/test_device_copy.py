@@ -89,16 +89,24 @@ def test_a_save_is_read_after_the_forward_and_engine_work_after_it_waits_for_the
     assert ids[1] == ids[0] and ids[-1] == ids[2]  # the save stream waits for the forward; compute for the gather
 
 
-def test_a_load_into_device_memory_makes_the_compute_stream_wait_for_it():
+def test_a_load_into_device_memory_waits_for_the_engine_before_it_and_the_forward_waits_for_it():
     runtime = InlineRuntime()
     layout, tensors = _layout(runtime)
     host = layout.load_rows(0, [3, 4])
     host.arrays[0][:] = 7
+    started = layout.engine_point()  # taken on the engine's thread when the load starts
+    assert started is not None
     runtime.log.clear()
-    done = layout.commit_rows(0, [3, 4], host, [True, False])
+    done = layout.commit_rows(0, [3, 4], host, [True, False], after=started)
     assert done is not None and done.query()
-    ops = [(op, stream) for op, stream, _ in runtime.log]
-    assert ops == [("use", "copy2"), ("record", "copy2"), ("leave", "copy2"), ("wait", "compute")]
+    ops = [(op, stream, event) for op, stream, event in runtime.log]
+    assert ops == [
+        ("use", "copy2", 0),
+        ("wait", "copy2", id(started)),  # never under the engine's own writes to these blocks (V2 zeroing)
+        ("record", "copy2", id(done)),
+        ("leave", "copy2", 0),
+        ("wait", "compute", id(done)),  # the forward runs after the load, on the device
+    ]
     for tensor in tensors.values():
         assert (tensor[:, 3] == 7).all() and not (tensor[:, 4] == 7).all()  # only what arrived
 

@@ -277,15 +277,25 @@ class DeviceCopier:
         self._hold(done, (host, gathered_rows))
         return Staged(host, done)
 
-    def load(self, views: Sequence[Any], ids: Sequence[int], host: np.ndarray) -> Event:
-        """Scatter host rows (the blocks' bytes, in view order) into blocks `ids`. The current stream
-        waits for it on the device; the returned event says when it is done."""
+    def engine_point(self) -> Event:
+        """An event on the calling thread's current stream: work the engine queued so far (Model Runner
+        V2 zeroing the blocks a load is about to fill, for one) happens before what waits for it."""
+        event = self.runtime.new_event()
+        event.record(self.runtime.current_stream())
+        return event
+
+    def load(self, views: Sequence[Any], ids: Sequence[int], host: np.ndarray, after: Event | None = None) -> Event:
+        """Scatter host rows (the blocks' bytes, in view order) into blocks `ids`, after `after` (an
+        `engine_point` taken on the engine's thread when the load started; default: now, on this
+        thread). The current stream waits for it on the device; the returned event says when it is done."""
         import torch
 
         runtime = self.runtime
         compute = runtime.current_stream()
+        ready = after if after is not None else self.engine_point()
         done = runtime.new_event()
         with runtime.use(self.load_stream):
+            runtime.wait(self.load_stream, ready)  # never under the engine's own writes to these blocks
             device = views[0].device
             rows = torch.from_numpy(host).to(device, non_blocking=True)  # pinned when `host` is a ring slot
             index = torch.as_tensor(list(ids), dtype=torch.int64).to(device, non_blocking=True)

@@ -169,7 +169,19 @@ class KVLayout:
         match its bytes made CORRUPT. Call before `commit_rows`."""
         return self._sealers[group].verify(rows, statuses)
 
-    def commit_rows(self, group: int, block_ids: Sequence[int], rows: Rows, arrived: Sequence[bool]) -> Event | None:
+    def engine_point(self) -> Event | None:
+        """For device memory, an event marking the engine's work queued so far on this thread's stream
+        (take it on the engine's thread when a load starts, pass it to `commit_rows`); None on the host."""
+        return self._copier.engine_point() if self._copier is not None else None
+
+    def commit_rows(
+        self,
+        group: int,
+        block_ids: Sequence[int],
+        rows: Rows,
+        arrived: Sequence[bool],
+        after: Event | None = None,
+    ) -> Event | None:
         """Move the blocks that `arrived` from a `load_rows` host buffer into the engine's memory. For
         device memory the copy runs on the load stream, the calling thread's current stream waits for
         it on the device, and the returned event says when it is done (a load reported finished to the
@@ -191,7 +203,7 @@ class KVLayout:
         assert self._copier is not None
         arrived_rows = rows.arrays[0] if len(keep) == len(arrived) else rows.arrays[0][keep]
         blocks = self._ids(group, [block_ids[index] for index in keep]).tolist()
-        return self._copier.load(views, blocks, arrived_rows[:, : self._block_bytes[group]])
+        return self._copier.load(views, blocks, arrived_rows[:, : self._block_bytes[group]], after)
 
     def _ids(self, group: int, block_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.backends.base import Backend, Rows, Status
 from kvpool.chunks import ChunkRef
+from kvpool.device_copy import Event
 from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class Loader:
         self._pending = 0
         self._finished: set[str] = set()
         self._failed: dict[str, list[ChunkRef]] = {}
-        self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef], bool, Event | None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._calls: ThreadPoolExecutor | None = None
         if not sync:
@@ -78,13 +79,17 @@ class Loader:
         with self._lock:
             self._pending += 1
         self.stats.loads += 1
+        layout = self._layout()
+        # device memory: the load's copy runs after everything the engine queued until now (Model
+        # Runner V2 zeroing these very blocks, for one), whichever thread runs it
+        after = layout.engine_point() if layout is not None and items else None
         if self.sync or not report_finished:
-            self._execute(req_id, items, missing, report_finished)
+            self._execute(req_id, items, missing, report_finished, after)
         elif not self.backend.healthy():
             # fail now, in the engine's thread: never queue behind a call stuck in the pool's client
             self._execute(req_id, [], items + missing)
         else:
-            self._queue.put((req_id, items, missing))
+            self._queue.put((req_id, items, missing, True, after))
 
     def failed_in_step(self, req_id: str) -> bool:
         """Did the load just run for `req_id` (in this thread) leave chunks unloaded?"""
@@ -99,11 +104,16 @@ class Loader:
             self._execute(*entry)
 
     def _execute(
-        self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef], report_finished: bool = True
+        self,
+        req_id: str,
+        items: list[ChunkRef],
+        missing: list[ChunkRef],
+        report_finished: bool = True,
+        after: Event | None = None,
     ) -> None:
         failed: list[ChunkRef] = list(items)
         try:
-            failed = self._load(items)
+            failed = self._load(items, after)
         except Exception:
             log.exception("load of request %s failed; its blocks will be recomputed", req_id)
         finally:
@@ -120,7 +130,7 @@ class Loader:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _load(self, items: list[ChunkRef]) -> list[ChunkRef]:
+    def _load(self, items: list[ChunkRef], after: Event | None) -> list[ChunkRef]:
         layout = self._layout()
         if layout is None:
             raise RuntimeError("load before register_layout: the engine's KV memory is unknown")
@@ -130,7 +140,7 @@ class Loader:
             if not self.backend.healthy():
                 return failed + items[offset:]
             try:
-                results = self._get(layout, part)
+                results = self._get(layout, part, after)
             except Abandoned:
                 log.warning("the pool stopped answering a read of %d chunks; they will be recomputed", len(part))
                 return failed + items[offset:]
@@ -157,7 +167,7 @@ class Loader:
                 self.backend.remove(unusable)
         return failed
 
-    def _get(self, layout: KVLayout, part: list[ChunkRef]) -> list[Status]:
+    def _get(self, layout: KVLayout, part: list[ChunkRef], after: Event | None) -> list[Status]:
         """Read one batch into its blocks, one backend call per KV cache group."""
         results = [Status.ERROR] * len(part)
         by_group: dict[int, list[int]] = {}
@@ -173,7 +183,7 @@ class Loader:
                 rows = layout.load_rows(group, block_ids, owned=True)
                 statuses = self._bounded_get(keys, rows)
             statuses = layout.verify(group, rows, statuses)
-            copied = layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses])
+            copied = layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses], after)
             if copied is not None and self._calls is not None:
                 copied.synchronize()  # off the engine's thread: reported finished only once on the device
             for position, status in zip(positions, statuses):
