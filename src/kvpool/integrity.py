@@ -111,7 +111,7 @@ class _Part:
 
 
 class Sealer:
-    """Seals for the values of one KV cache group, whose bytes are split in arrays of `widths` bytes."""
+    """Seals for the values of one KV cache group: `payload_bytes` each, however arrays split them."""
 
     def __init__(self, payload_bytes: int, mode: Integrity) -> None:
         if mode is not Integrity.OFF and payload_bytes % 8:
