@@ -1,15 +1,21 @@
 """Where a rank's chunks go: key namespaces per TP shard and PP stage, and which rank writes what.
 
-Both connector roles derive the same plan from the engine config: the scheduler to know which
-namespaces a hit must be present in, each worker to know its own namespace and the chunks it puts.
+Both connector roles derive the same plan from the engine config (`build_plan`, from the plain
+`EngineFacts` an adapter reads): the scheduler to know which namespaces a hit must be present in,
+each worker to know its own namespace and the chunks it puts. Invariants: only the rank differs
+between the plans of one engine's roles and ranks, so every rank's namespace is one the scheduler
+looks up; a chunk of a shard is put into a shared pool by exactly one rank, which never changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvpool.config import KVPoolConfig
+from kvpool.fingerprints import GroupFacts, ModelFacts, group_fingerprints
 from kvpool.keys import KeySpace, LayoutFingerprint
 from kvpool.masks import MaskCoordinator
+from kvpool.specs import attention_kind
 
 
 @dataclass(frozen=True)
@@ -62,3 +68,45 @@ class ModelPlan:
             [KeySpace(replace(fp, tp_shard=s, pp_rank=p)) for s in range(shards) for p in range(self.pp_size)]
             for fp in self.fingerprints
         ]
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A rank's place in its engine's TP x PP grid, numbered as the engine numbers it."""
+
+    rank: int = 0  # pp_rank * tp_size + tp_rank
+    tp_size: int = 1
+    pp_size: int = 1
+    kv_tp_replicas: int = 1  # consecutive TP ranks holding identical KV, as the engine publishes it; < 1: 1
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """Everything a plan depends on, as plain values an adapter reads from its engine's config."""
+
+    model: ModelFacts
+    groups: tuple[GroupFacts, ...]
+    parallel: Parallelism = Parallelism()
+    hash_block_size: int | None = None  # the engine's block-hash granularity; None: the smallest block size
+    retention_interval: int | None = None  # the engine's own; kvpool's "engine" setting takes it
+
+
+def build_plan(engine: EngineFacts, config: KVPoolConfig) -> ModelPlan:
+    """This rank's plan. LayoutError / ConfigError at start-up for a spec or setting kvpool refuses."""
+    kinds = [attention_kind(group.spec) for group in engine.groups]
+    hash_block = engine.hash_block_size or min(kind.block_size for kind in kinds)
+    retention = engine.retention_interval if config.retention_interval == "engine" else config.retention_interval
+    assert retention is None or isinstance(retention, int)  # validated by KVPoolConfig
+    coordinator = MaskCoordinator(kinds, retention_interval=retention, hash_block_size=hash_block)
+    parallel = engine.parallel
+    fingerprints = group_fingerprints(engine.model, engine.groups, kinds, config, pp_size=parallel.pp_size)
+    return ModelPlan(
+        coordinator,
+        fingerprints,
+        tp_rank=parallel.rank % parallel.tp_size,
+        tp_size=parallel.tp_size,
+        replicas=max(1, parallel.kv_tp_replicas),
+        pp_rank=parallel.rank // parallel.tp_size,
+        pp_size=parallel.pp_size,
+        shared_pool=config.backend != "memory",  # each embedded pool belongs to one rank
+    )

@@ -6,16 +6,21 @@ message naming it. A subclass never inherits its parent's kind: vLLM's `RSWASpec
 store it as full attention and serve blocks that were never written.
 
 The adapter turns an engine spec into `SpecFacts` (its class name and the fields that decide
-reachability); nothing here imports the engine.
+reachability); nothing here imports the engine. A group whose layers the engine describes one by
+one (vLLM's `UniformTypeKVCacheSpecs` on the workers) is modelled by its first layer, as the
+engine's scheduler sees it, and only when every layer has that layer's kind (`group_layer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvpool.errors import LayoutError
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
+
+Layer = TypeVar("Layer")  # the engine's own spec object for one layer
 
 
 @dataclass(frozen=True)
@@ -92,3 +97,15 @@ def attention_kind(facts: SpecFacts) -> AttentionKind:
         f"KV cache spec {facts.type_name} is not supported by kvpool ({why}); supported specs: "
         f"{', '.join(SUPPORTED_SPECS)}. Run this model without the connector"
     )
+
+
+def group_layer(wrapper: str, layers: Sequence[Layer], facts: Callable[[Layer], SpecFacts]) -> Layer:
+    """The layer that stands for a group the engine describes layer by layer: the first, since that is
+    the spec the engine's scheduler is handed, so both roles derive the same kind and keys. LayoutError
+    naming `wrapper` (the engine's class for the group) when the layers differ in attention kind."""
+    if not layers:
+        raise LayoutError(f"KV cache group {wrapper} lists no layers")
+    kinds = {attention_kind(facts(layer)) for layer in layers}
+    if len(kinds) > 1:
+        raise LayoutError(f"KV cache group {wrapper} mixes attention kinds {sorted(map(repr, kinds))}")
+    return layers[0]

@@ -12,7 +12,7 @@ import torch
 
 from kvpool.config import KVPoolConfig
 from kvpool.errors import LayoutError
-from kvpool.integrations.vllm import group_spec, plan_model, spec_facts, weights_digest
+from kvpool.integrations.vllm_plan import group_spec, plan_model, spec_facts, weights_digest
 from kvpool.masks import FullAttention, SlidingWindow
 from kvpool.specs import attention_kind
 
@@ -165,7 +165,7 @@ def test_worker_reports_pickle_and_aggregate_over_ranks() -> None:
     import pickle
 
     from kvpool.index import PoolReport
-    from kvpool.integrations.vllm import KVPoolWorkerMetadata
+    from kvpool.integrations.vllm_metadata import KVPoolWorkerMetadata
 
     ranks = [KVPoolWorkerMetadata([PoolReport(rank, 0, stored={"p/": [bytes([rank])]})]) for rank in range(4)]
     combined = ranks[0]

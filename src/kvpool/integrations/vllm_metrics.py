@@ -291,7 +291,8 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             self._counters[spec.key] = self._per_engine(counter)
         self._gauges: dict[str, dict[int, Any]] = {}
         for spec in POOL_GAUGES:
-            gauge = self._gauge_cls(
+            # vLLM types _gauge_cls as any of its metric classes, though it is always metric_types[Gauge]
+            gauge = self._gauge_cls(  # type: ignore[call-arg]
                 name=prometheus_name(spec.key),
                 documentation=f"kvpool: {spec.doc}",
                 labelnames=labelnames,

@@ -1,0 +1,96 @@
+"""The worker role of kvpool's vLLM connector: vLLM's KV tensors and per-step hooks, translated for
+the worker core (`kvpool.worker.WorkerEngine`), and its results translated back.
+
+Invariants: a step's metadata reaches the core's `apply` once, whichever of vLLM's hooks (start of
+the load, end of the forward) hands it over first; saves run after the forward, so device tensors
+are read in order after it; block ids that failed to load are held until vLLM asks for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvpool.config import KVPoolConfig
+from kvpool.integrations import registry
+from kvpool.integrations.vllm_metadata import KVPoolWorkerMetadata
+from kvpool.integrations.vllm_metrics import WorkerStatsSampler
+from kvpool.integrity import Integrity
+from kvpool.layout import KVLayout
+from kvpool.metadata import StepMetadata
+from kvpool.plan import ModelPlan
+from kvpool.roles import worker_role
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class WorkerSide:
+    """The worker connector's calls, translated for its core (`WorkerEngine`)."""
+
+    def __init__(self, config: KVPoolConfig, plan: ModelPlan, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
+        self.role = worker_role(config, plan)
+        self.core = self.role.core
+        self.tracker = self.role.tracker
+        self._invalid_blocks: set[int] = set()
+        self._applied: StepMetadata | None = None
+        self.metrics = WorkerStatsSampler(self.core.stats, self.role.backend, f"tp{plan.tp_rank}-pp{plan.pp_rank}")
+        registry.register_worker(engine_id, self)
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        kv_config = self.kv_cache_config
+        layer_groups = {
+            name: group for group, spec in enumerate(kv_config.kv_cache_groups) for name in spec.layer_names
+        }
+        tensors = {name: tensor for name, tensor in kv_caches.items() if name in layer_groups}
+        self.core.register_layout(
+            KVLayout(
+                tensors,
+                layer_groups,
+                kv_config.num_blocks,
+                integrity=Integrity(self.config.integrity),
+                staging_bytes=self.config.save_buffer_bytes,  # device KV: the pinned staging ring
+            )
+        )
+
+    def before_step(self, step: StepMetadata) -> None:
+        self.core.handle_step(step)
+
+    def apply(self, step: StepMetadata) -> None:
+        if self._applied is not step:
+            self._applied = step
+            self.core.apply(step.requests)
+
+    def save(self, step: StepMetadata) -> None:
+        self.apply(step)
+        if any(delta.save_tokens for delta in step.requests):
+            # after the forward: device tensors are copied on the current stream, so in order after it
+            self.core.save(step.requests)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if finished_req_ids:
+            self.core.finish(finished_req_ids)
+        results = KVConnectorTransferResults(finished_recving=self.core.take_finished_loads())
+        failures = self.core.take_load_failures()
+        # vLLM asks for the invalid blocks in a call of its own, after this one
+        self._invalid_blocks |= failures.invalid_blocks
+        if failures.failed_requests:
+            results.failed_recving = failures.failed_requests
+        return results
+
+    def take_invalid_blocks(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def pool_report(self) -> KVPoolWorkerMetadata | None:
+        report = self.tracker.take_report() if self.tracker is not None else None
+        return KVPoolWorkerMetadata([report]) if report is not None else None
+
+    def close(self) -> None:
+        registry.unregister_worker(self.engine_id, self)
+        self.role.close()

@@ -1,0 +1,146 @@
+"""What each connector role runs for a kvpool config and a model plan: the pool it reaches, how it
+looks up, and whether loads and saves run on the engine's thread.
+
+Invariants:
+- A remote pool (Mooncake) is shared with other engines, so the scheduler asks it: through a client
+  of its own that lends the pool no memory (zero segment), closed with the scheduler. Such lookups
+  leave the process, so they are async unless configured otherwise.
+- Embedded pools live in the workers, one per rank. The scheduler answers lookups from an index of
+  them fed by the workers' reports (a chunk counts once every replica of its shard holds it), on its
+  own thread and synchronously by default; it never calls `exists`.
+- A load runs in the step that computes on its blocks (the engine waits no steps) only from an
+  embedded pool, and only when a failed chunk can be recomputed on its own (one full-attention group:
+  the engine truncates at the first bad block and drops that step's output). Any other model loads
+  async, whose failures recompute the whole request before it runs.
+- An in-process (embedded) pool is put and loaded on the engine's thread, where the put is the copy;
+  a remote one through host copies on the sender's and the loader's threads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.backends.base import Backend
+from kvpool.backends.factory import create_backend
+from kvpool.backends.memory import MemoryBackend
+from kvpool.config import KVPoolConfig
+from kvpool.index import PoolIndex, PoolTracker
+from kvpool.plan import ModelPlan
+from kvpool.scheduler import Exists, Healthy, SchedulerConfig, SchedulerEngine
+from kvpool.worker import WorkerConfig, WorkerEngine
+
+log = logging.getLogger("kvpool.roles")
+
+MakeBackend = Callable[[str, dict[str, Any]], Backend]
+
+WORKER_DRAIN_S = 10.0  # at shutdown, how long queued saves and loads may still run
+
+
+@dataclass
+class SchedulerRole:
+    core: SchedulerEngine
+    index: PoolIndex | None  # embedded pools: what they hold
+    backend: Backend | None  # remote pool: the scheduler's own client
+    loads_in_step: bool
+
+    def reset(self) -> bool:
+        """Lookups miss from now on; the workers empty their pools at their next step, before its loads
+        (see WorkerEngine.reset). A shared pool is emptied now too. False: emptying it failed."""
+        self.core.reset()
+        try:
+            if self.backend is not None:
+                self.backend.clear()
+            return True
+        except Exception:
+            log.exception("could not empty the pool")
+            return False
+
+    def close(self) -> None:
+        self.core.close()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def _no_exists(keys: list[str]) -> list[bool]:
+    raise AssertionError("embedded pools are looked up in the index")
+
+
+def scheduler_role(
+    config: KVPoolConfig,
+    plan: ModelPlan,
+    *,
+    track_events: bool = False,
+    local_tracker: PoolTracker | None = None,
+    make_backend: MakeBackend = create_backend,
+) -> SchedulerRole:
+    """`track_events`: the index also yields the engine's KV events. `local_tracker`: this engine's
+    worker in the same process, whose pool's contents (an earlier engine's saves) count at once."""
+    backend: Backend | None = None
+    index: PoolIndex | None = None
+    exists: Exists
+    healthy: Healthy | None
+    if config.backend == "mooncake":
+        backend = make_backend("mooncake", dict(config.backend_options(), global_segment_size=0))
+        exists, healthy = backend.exists, backend.healthy
+    else:
+        index = PoolIndex(plan.lookup_namespaces(), ranks_per_namespace=plan.replicas)
+        index.track_events = track_events
+        exists, healthy = _no_exists, None
+        report = local_tracker.take_report() if local_tracker is not None else None
+        if report is not None:
+            index.apply(report)
+    remote = backend is not None
+    core = SchedulerEngine(
+        plan.coordinator,
+        plan.lookup_namespaces(),
+        exists,
+        SchedulerConfig(
+            save_decode=config.save_decode,
+            lookup_async=remote if config.lookup_async is None else config.lookup_async,
+            lookup_timeout_s=config.lookup_timeout_s,
+        ),
+        healthy=healthy,
+        index=index,
+    )
+    return SchedulerRole(core, index, backend, loads_in_step=not remote and plan.coordinator.resumes_at_failed_chunk)
+
+
+def worker_config(config: KVPoolConfig) -> WorkerConfig:
+    in_process_pool = config.backend == "memory"
+    return WorkerConfig(
+        put_batch_chunks=config.put_batch_chunks,
+        check_exists_before_put=config.exists_before_put(),
+        sync_saves=in_process_pool,
+        save_buffer_bytes=config.save_buffer_bytes,
+        save_linger_steps=config.save_linger_steps,
+        save_linger_s=config.save_linger_ms / 1000,
+        sync_loads=in_process_pool,
+    )
+
+
+@dataclass
+class WorkerRole:
+    core: WorkerEngine
+    backend: Backend
+    tracker: PoolTracker | None  # an embedded pool's contents, for the scheduler's index
+
+    def close(self) -> None:
+        if self.tracker is not None and isinstance(self.backend, MemoryBackend):
+            self.backend.remove_listener(self.tracker.dropped)  # the named pool outlives this worker
+        self.core.drain(timeout_s=WORKER_DRAIN_S)
+        self.core.close()
+        self.backend.close()
+
+
+def worker_role(config: KVPoolConfig, plan: ModelPlan, *, make_backend: MakeBackend = create_backend) -> WorkerRole:
+    backend = make_backend(config.backend, config.backend_options())
+    placements = plan.placements()
+    tracker: PoolTracker | None = None
+    if isinstance(backend, MemoryBackend):
+        tracker = PoolTracker(plan.rank, [p.keys for p in placements], backend.keys())
+        backend.add_listener(tracker.dropped)
+    core = WorkerEngine(backend, plan.coordinator, placements, config=worker_config(config), tracker=tracker)
+    return WorkerRole(core, backend, tracker)
