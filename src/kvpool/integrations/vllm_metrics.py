@@ -1,22 +1,21 @@
 """kvpool's counters on vLLM's Prometheus ``/metrics`` and in its periodic stats log.
 
-How the numbers travel in vLLM 0.32 (``V = site-packages/vllm``):
+How the numbers travel in vLLM 0.32:
 
 1. Every engine step the worker connector's ``get_kv_connector_stats()`` is called
-   (``V/v1/worker/kv_connector_model_runner_mixin.py:102``) and its result rides in
+   (the model runner's KV-connector mixin) and its result rides in
    ``KVConnectorOutput.kv_connector_stats``. Multi-process executors combine the workers' objects
-   with ``aggregate`` (``V/distributed/kv_transfer/kv_connector/utils.py:132-142``).
+   with ``aggregate`` (the KV-connector output aggregator).
 2. The scheduler calls the scheduler connector's ``get_kv_connector_stats()`` after every step and,
    unless it ``is_empty()``, merges it into the worker's object with
-   ``worker_stats.aggregate(scheduler_stats)`` (``V/v1/core/sched/scheduler.py:2336-2351``).
+   ``worker_stats.aggregate(scheduler_stats)`` (in the scheduler's ``update_from_output``).
 3. With stat logging on (``LLM(disable_log_stats=False)``; ``vllm serve`` has it on) the payload
    ``to_dict()`` (= ``data``) goes to the front-end in ``SchedulerStats.kv_connector_stats``
-   (``scheduler.py:2915-2959``) as a plain dict (msgpack across processes).
+   as a plain dict (msgpack across processes).
 4. The front-end's ``PrometheusStatLogger`` hands the dict to the object built by the connector
-   class's ``build_prom_metrics`` (``V/distributed/kv_transfer/kv_connector/v1/metrics.py:137-172``,
-   ``V/v1/metrics/loggers.py:1197-1200``); the logging stat logger rebuilds a stats object with
+   class's ``build_prom_metrics``; the logging stat logger rebuilds a stats object with
    ``build_kv_connector_stats(data)``, accumulates with ``aggregate`` and logs ``reduce()``
-   every ``VLLM_LOG_STATS_INTERVAL`` (``metrics.py:53-106``).
+   every ``VLLM_LOG_STATS_INTERVAL``.
 
 So a payload holds *deltas* (what happened since the previous step), never running totals, and
 ``aggregate`` must work both across workers (same step) and across steps (log interval). Counters
@@ -28,8 +27,7 @@ Payload (``KVPoolStats.data``, plain JSON-able types only)::
     {"counters": {"chunks_saved": 3, "bytes_saved": 786432, ...},   # only the non-zero deltas
      "pools": {"tp0-pp0": {"pool_used_bytes": ..., "pool_keys": ..., "pool_capacity_bytes": ...}}}
 
-Prometheus names (vLLM only keeps / reports collectors whose name starts with ``vllm:``,
-``V/v1/metrics/prometheus.py:56-70``, ``V/v1/metrics/reader.py:88``): counter ``key`` is
+Prometheus names (vLLM only keeps / reports collectors whose name starts with ``vllm:``): counter ``key`` is
 ``vllm:kvpool_<key>`` (exposed as ``vllm:kvpool_<key>_total``), gauges ``vllm:kvpool_<key>``,
 labelled with vLLM's engine labels (``model_name``, ``engine``).
 

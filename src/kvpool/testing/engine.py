@@ -14,12 +14,12 @@ The settings, the shutdown order and the tie handling below are what vLLM's CPU 
 Per-engine multiprocessing switch (what vLLM 0.32 reads, and when):
 
 * ``LLMEngine.from_engine_args`` reads ``vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING`` at
-  construction time (``vllm/v1/engine/llm_engine.py:186``), and the CPU platform reads
+  construction time, and the CPU platform reads
   ``os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]`` directly in ``check_and_update_config``
-  (``vllm/platforms/cpu.py:335``, switches the executor to ``mp``). Both happen inside
+  (and switches the executor to ``mp``). Both happen inside
   ``LLM(...)``, so the variable only has to be right *while the engine is constructed*.
 * But ``vllm.envs`` values are memoised: an in-process ``EngineCore.__init__`` calls
-  ``enable_envs_cache()`` (``vllm/v1/engine/core.py:258``), which freezes every ``envs.*`` read
+  ``enable_envs_cache()``, which freezes every ``envs.*`` read
   for the rest of the process. After one in-process engine, flipping ``os.environ`` alone would
   no longer switch the next engine to multi-process (and vice versa). :func:`engine` therefore
   calls ``vllm.envs.disable_envs_cache()`` before each construction (the teardown's
