@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvpool's GPU check: the worker engine and embedded pool on a synthetic vLLM-shaped KV cache on CUDA.
+# kvpool's GPU check: the worker core and embedded pool on a synthetic vLLM-shaped KV cache on CUDA.
 # Runs on a bare GPU machine (torch, numpy, rich, typer, prometheus-client; no network, no vLLM, no
 # install): `scripts/device_check.sh`; `--dry-run` is the CPU self-test that `make test` runs.
 # Prints a JSON summary on stdout and PASS or FAIL on stderr; exits 0 on PASS, 1 on FAIL.

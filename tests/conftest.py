@@ -4,13 +4,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.worker import WorkerEngine
+from kvpool.worker import WorkerCore
 
 
 @pytest.fixture
-def closing() -> Iterator[list[WorkerEngine]]:
+def closing() -> Iterator[list[WorkerCore]]:
     """Worker engines a test starts; closed at its end."""
-    engines: list[WorkerEngine] = []
+    engines: list[WorkerCore] = []
     yield engines
     for engine in engines:
         engine.close()

@@ -1,4 +1,4 @@
-"""A fake vLLM drives the real SchedulerEngine and WorkerEngine over the embedded pool, and a bytes
+"""A fake vLLM drives the real SchedulerCore and WorkerCore over the embedded pool, and a bytes
 oracle checks every block the engine computes on and every chunk the pool holds.
 
 Block bytes are a deterministic function of (group, layer, chunk hash, weights version), the chunk
@@ -31,8 +31,8 @@ from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
 from kvpool.metadata import RequestDelta, StepMetadata
 from kvpool.plan import GroupPlacement
-from kvpool.scheduler import SchedulerConfig, SchedulerEngine
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.scheduler import SchedulerConfig, SchedulerCore
+from kvpool.worker import WorkerConfig, WorkerCore
 
 B = 16  # every group's block size and the hash block size
 LAYERS = 2
@@ -130,10 +130,10 @@ class EngineOracle(RuleBasedStateMachine):
         layout = KVLayout(self.tensors, {name: int(name[1 : name.index(".")]) for name in self.tensors}, NUM_BLOCKS)
         self.pool = FlakyPool(LAYERS * ROW * 48)  # smaller than the engine: the pool evicts
         self.pool.gated_threads = {"kvpool-sender", "kvpool-load"}
-        self.scheduler = SchedulerEngine(
+        self.scheduler = SchedulerCore(
             self.coord, [[space] for space in self.spaces], self.pool.exists, SchedulerConfig(save_decode=True)
         )
-        self.worker = WorkerEngine(
+        self.worker = WorkerCore(
             self.pool,
             self.coord,
             [GroupPlacement(space) for space in self.spaces],

@@ -9,14 +9,14 @@ from hypothesis import strategies as st
 from kvpool.explain import StopReason, explain
 from kvpool.keys import chunk_hashes
 from kvpool.masks import FullAttention, MaskCoordinator, SlidingWindow
-from kvpool.scheduler import SchedulerEngine
+from kvpool.scheduler import SchedulerCore
 from test_scheduler import Pool, full_scheduler, hashes_for, space
 
 
-def hybrid(pool: Pool, retention: int | None = None) -> SchedulerEngine:
+def hybrid(pool: Pool, retention: int | None = None) -> SchedulerCore:
     kinds = [FullAttention(16), SlidingWindow(32, 40)]  # lcm 32; the window needs the 2 chunks before a hit
     namespaces = [[space(kinds[0], 0)], [space(kinds[1], 1)]]
-    return SchedulerEngine(MaskCoordinator(kinds, retention_interval=retention), namespaces, pool.exists)
+    return SchedulerCore(MaskCoordinator(kinds, retention_interval=retention), namespaces, pool.exists)
 
 
 @pytest.mark.parametrize(

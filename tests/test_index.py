@@ -142,7 +142,7 @@ def test_the_full_attention_fast_path_equals_the_general_lookup(data: st.DataObj
     """All groups full attention: the index answers with one run of present chunks per group; the
     answer must be the one the general lookup (keys through exists) gives for the same contents."""
     from kvpool.masks import FullAttention, MaskCoordinator
-    from kvpool.scheduler import SchedulerEngine
+    from kvpool.scheduler import SchedulerCore
 
     kinds = [FullAttention(b) for b in blocks]
     coord = MaskCoordinator(kinds, hash_block_size=16)
@@ -161,8 +161,8 @@ def test_the_full_attention_fast_path_equals_the_general_lookup(data: st.DataObj
         if keys:
             pool.put(keys, value() * len(keys))
         index.apply(PoolReport(0, 0, stored={spaces[g][0].prefix: [named[c] for c in sorted(held)]}))
-    fast = SchedulerEngine(coord, spaces, pool.exists, index=index)
-    general = SchedulerEngine(coord, spaces, pool.exists)
+    fast = SchedulerCore(coord, spaces, pool.exists, index=index)
+    general = SchedulerCore(coord, spaces, pool.exists)
     assert fast.longest_hit(hashes, tokens) == general.longest_hit(hashes, tokens)
 
 

@@ -1,4 +1,4 @@
-"""WorkerEngine loads: the stored bytes land in the hit's blocks; every chunk that does not arrive is
+"""WorkerCore loads: the stored bytes land in the hit's blocks; every chunk that does not arrive is
 reported in the form the engine can recompute from; the marks drop to what is really stored."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import pytest
 from kvpool.backends.base import Status, Value
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
 from kvpool.metadata import LoadSpec, RequestDelta
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerCore
 from worker_fakes import POISON, FakeModel, RecordingBackend, simple, start
 
 
 def saved_prefix(
-    closing: list[WorkerEngine],
+    closing: list[WorkerCore],
     kinds: Sequence[AttentionKind] | None = None,
     tokens: int = 128,
     config: WorkerConfig | None = None,
-) -> tuple[FakeModel, RecordingBackend, WorkerEngine, list[bytes], dict[str, bytes]]:
+) -> tuple[FakeModel, RecordingBackend, WorkerCore, list[bytes], dict[str, bytes]]:
     model, backend, engine = simple(closing, config=config, kinds=kinds)
     hashes = model.hashes("prefix", tokens)
     tables = model.tables(tokens)
@@ -34,7 +34,7 @@ def saved_prefix(
     return model, backend, engine, hashes, expected
 
 
-def failed_blocks(engine: WorkerEngine) -> set[int]:
+def failed_blocks(engine: WorkerCore) -> set[int]:
     """The blocks to report invalid (one full-attention group: the engine recomputes from the first)."""
     failures = engine.take_load_failures()
     assert failures.failed_requests == set()
@@ -42,7 +42,7 @@ def failed_blocks(engine: WorkerEngine) -> set[int]:
 
 
 def load_request(
-    engine: WorkerEngine,
+    engine: WorkerCore,
     model: FakeModel,
     req: str,
     hashes: list[bytes],
@@ -67,7 +67,7 @@ def load_request(
     return tables
 
 
-def test_load_fills_blocks_with_stored_bytes(closing: list[WorkerEngine]) -> None:
+def test_load_fills_blocks_with_stored_bytes(closing: list[WorkerCore]) -> None:
     model, _, engine, hashes, expected = saved_prefix(closing)
     tables = load_request(engine, model, "reader", hashes, 0, 128)
     assert failed_blocks(engine) == set()
@@ -78,7 +78,7 @@ def test_load_fills_blocks_with_stored_bytes(closing: list[WorkerEngine]) -> Non
     assert engine.stats.chunks_loaded == 8
 
 
-def test_load_skips_the_locally_cached_prefix(closing: list[WorkerEngine]) -> None:
+def test_load_skips_the_locally_cached_prefix(closing: list[WorkerCore]) -> None:
     model, _, engine, hashes, expected = saved_prefix(closing)
     tables = load_request(engine, model, "reader", hashes, 48, 96)
     for chunk in range(6):
@@ -87,7 +87,7 @@ def test_load_skips_the_locally_cached_prefix(closing: list[WorkerEngine]) -> No
     assert failed_blocks(engine) == set()
 
 
-def test_load_of_a_missing_chunk_reports_its_block(closing: list[WorkerEngine]) -> None:
+def test_load_of_a_missing_chunk_reports_its_block(closing: list[WorkerCore]) -> None:
     model, backend, engine, hashes, _ = saved_prefix(closing)
     backend.remove([model.key(0, hashes, 2)])
     tables = load_request(engine, model, "reader", hashes, 0, 128)
@@ -96,7 +96,7 @@ def test_load_of_a_missing_chunk_reports_its_block(closing: list[WorkerEngine]) 
     assert failed_blocks(engine) == set()
 
 
-def test_load_with_a_wrong_stored_size_reports_its_block(closing: list[WorkerEngine]) -> None:
+def test_load_with_a_wrong_stored_size_reports_its_block(closing: list[WorkerCore]) -> None:
     model, backend, engine, hashes, _ = saved_prefix(closing)
     key = model.key(0, hashes, 5)
     backend.remove([key])
@@ -106,7 +106,7 @@ def test_load_with_a_wrong_stored_size_reports_its_block(closing: list[WorkerEng
     assert engine.take_finished_loads() == {"reader"}
 
 
-def test_load_backend_exception_reports_exactly_the_unloaded_blocks(closing: list[WorkerEngine]) -> None:
+def test_load_backend_exception_reports_exactly_the_unloaded_blocks(closing: list[WorkerCore]) -> None:
     model, backend, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(put_batch_chunks=2))
     backend.get_raises_on = {2}  # the second batch (chunks 2, 3) raises; later batches are not tried
     tables = load_request(engine, model, "reader", hashes, 0, 128)
@@ -116,7 +116,7 @@ def test_load_backend_exception_reports_exactly_the_unloaded_blocks(closing: lis
         assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
 
 
-def test_load_from_an_unhealthy_backend_fails_every_block(closing: list[WorkerEngine]) -> None:
+def test_load_from_an_unhealthy_backend_fails_every_block(closing: list[WorkerCore]) -> None:
     model, backend, engine, hashes, _ = saved_prefix(closing)
     backend.is_healthy = False
     tables = load_request(engine, model, "reader", hashes, 32, 128)
@@ -124,7 +124,7 @@ def test_load_from_an_unhealthy_backend_fails_every_block(closing: list[WorkerEn
     assert engine.take_finished_loads() == {"reader"}
 
 
-def test_load_without_hashes_fails_the_uncovered_blocks(closing: list[WorkerEngine]) -> None:
+def test_load_without_hashes_fails_the_uncovered_blocks(closing: list[WorkerCore]) -> None:
     model, _, engine, hashes, _ = saved_prefix(closing)
     tables = load_request(engine, model, "reader", hashes[:5], 32, 128)
     assert failed_blocks(engine) == set(tables[0][5:8])
@@ -134,7 +134,7 @@ def test_load_without_hashes_fails_the_uncovered_blocks(closing: list[WorkerEngi
     assert failed_blocks(engine) == set(tables[0][2:8])
 
 
-def test_hybrid_load_uses_the_load_mask_and_skips_null_blocks(closing: list[WorkerEngine]) -> None:
+def test_hybrid_load_uses_the_load_mask_and_skips_null_blocks(closing: list[WorkerCore]) -> None:
     kinds = [FullAttention(32), SlidingWindow(16, 17)]
     model, backend, engine, hashes, expected = saved_prefix(closing, kinds=kinds, tokens=128)
     tables = model.tables(160)
@@ -159,7 +159,7 @@ def test_hybrid_load_uses_the_load_mask_and_skips_null_blocks(closing: list[Work
     ],
 )
 def test_a_failed_chunk_is_recomputed_from_where_every_earlier_block_is_real(
-    closing: list[WorkerEngine], kind: AttentionKind, hit: int, resumable: bool
+    closing: list[WorkerCore], kind: AttentionKind, hit: int, resumable: bool
 ) -> None:
     """The issue's worked case: window 64, block 16, a hit of 256 tokens, chunk 14 missing at load time.
     Resuming at token 224 needs blocks 10-13, but 10 and 11 were null at allocation and never loaded.
@@ -178,7 +178,7 @@ def test_a_failed_chunk_is_recomputed_from_where_every_earlier_block_is_real(
     assert engine.take_finished_loads() == {"reader"}
 
 
-def test_a_failed_load_lowers_the_stored_mark(closing: list[WorkerEngine]) -> None:
+def test_a_failed_load_lowers_the_stored_mark(closing: list[WorkerCore]) -> None:
     """The request starts believing the pool holds its hit; what failed to load is not there, so its
     next save must cover it again (and skip what did arrive)."""
     model, backend, engine, hashes, _ = saved_prefix(closing, tokens=128)
@@ -194,7 +194,7 @@ def test_a_failed_load_lowers_the_stored_mark(closing: list[WorkerEngine]) -> No
     assert engine.stored_tokens("reader") == 128
 
 
-def test_every_load_is_reported_finished_once(closing: list[WorkerEngine]) -> None:
+def test_every_load_is_reported_finished_once(closing: list[WorkerCore]) -> None:
     model, backend, engine, hashes, _ = saved_prefix(closing)
     gate = threading.Event()
     original = backend.get_into
@@ -215,7 +215,7 @@ def test_every_load_is_reported_finished_once(closing: list[WorkerEngine]) -> No
     assert engine.take_finished_loads() == set()
 
 
-def test_sync_loads_finish_inside_apply(closing: list[WorkerEngine]) -> None:
+def test_sync_loads_finish_inside_apply(closing: list[WorkerCore]) -> None:
     model, _, engine, hashes, expected = saved_prefix(closing, config=WorkerConfig(sync_loads=True))
     engine.close()  # no loader thread: the load must run in the caller
     tables = model.tables(144)
@@ -228,7 +228,7 @@ def test_sync_loads_finish_inside_apply(closing: list[WorkerEngine]) -> None:
         assert model.read(0, tables[0][chunk]) == expected[model.key(0, hashes, chunk)]
 
 
-def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[WorkerEngine]) -> None:
+def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[WorkerCore]) -> None:
     """A remote pool's read blocks (a stopped master); once the pool reports itself unhealthy (its breaker
     tripped on the overrun) the load is reported failed at once, and when the read finally returns its
     bytes land in the load's own buffer, never in the engine's blocks, which it may have reused."""
@@ -265,7 +265,7 @@ def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[W
 
 
 def test_an_in_step_load_that_fails_skips_that_steps_save_and_is_not_reported_finished(
-    closing: list[WorkerEngine],
+    closing: list[WorkerCore],
 ) -> None:
     """A sync load runs in the step that computes on its blocks; when a chunk is missing, that step's
     forward attended to an unwritten block, so nothing this step computes for the request may be saved.
@@ -290,7 +290,7 @@ def test_an_in_step_load_that_fails_skips_that_steps_save_and_is_not_reported_fi
 
 
 def test_a_step_whose_in_step_load_failed_and_that_saves_nothing_leaves_the_recompute_to_be_saved(
-    closing: list[WorkerEngine],
+    closing: list[WorkerCore],
 ) -> None:
     """The failing step often has nothing to save (the hit covered every full chunk), so the adapter
     never calls save in it; the step that recomputes must still store what the pool lost."""

@@ -1,4 +1,4 @@
-"""SchedulerEngine: lookups, per-step deltas, finish/preempt bookkeeping."""
+"""SchedulerCore: lookups, per-step deltas, finish/preempt bookkeeping."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvpool.errors import LayoutError
 from kvpool.keys import KeySpace, LayoutFingerprint, chunk_hashes
 from kvpool.masks import AttentionKind, FullAttention, MaskCoordinator, SlidingWindow
 from kvpool.metadata import RequestDelta
-from kvpool.scheduler import SchedulerConfig, SchedulerEngine
+from kvpool.scheduler import SchedulerConfig, SchedulerCore
 
 
 def hashes_for(tag: str, count: int) -> list[bytes]:
@@ -44,9 +44,9 @@ class Pool:
             self.backend.put(keys, [[b"x"]] * len(keys))
 
 
-def full_scheduler(pool: Pool, config: SchedulerConfig | None = None, block: int = 16) -> SchedulerEngine:
+def full_scheduler(pool: Pool, config: SchedulerConfig | None = None, block: int = 16) -> SchedulerCore:
     kind = FullAttention(block)
-    return SchedulerEngine(MaskCoordinator([kind]), [[space(kind)]], pool.exists, config)
+    return SchedulerCore(MaskCoordinator([kind]), [[space(kind)]], pool.exists, config)
 
 
 # ---- lookup -------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_lookup_is_aligned_to_the_lcm() -> None:
     kinds = [FullAttention(16), SlidingWindow(32, 100)]  # lcm 32, hash block 16
     coord = MaskCoordinator(kinds)
     namespaces = [[space(kinds[0], 0)], [space(kinds[1], 1)]]
-    sched = SchedulerEngine(coord, namespaces, pool.exists)
+    sched = SchedulerCore(coord, namespaces, pool.exists)
     hashes = hashes_for("p", 16)
     pool.store(namespaces[0], hashes, range(7))  # full attention up to 112 tokens
     pool.store(namespaces[1], chunk_hashes(hashes, 16, 32), range(8))
@@ -82,7 +82,7 @@ def test_lookup_needs_every_namespace() -> None:
     pool = Pool()
     kind = FullAttention(16)
     shards = [space(kind, shard=0), space(kind, shard=1)]
-    sched = SchedulerEngine(MaskCoordinator([kind]), [shards], pool.exists)
+    sched = SchedulerCore(MaskCoordinator([kind]), [shards], pool.exists)
     hashes = hashes_for("p", 8)
     pool.store(shards, hashes, range(8))
     assert sched.lookup("a", hashes, 200) == 128
@@ -95,7 +95,7 @@ def test_lookup_hybrid_window_needs_its_tail() -> None:
     pool = Pool()
     kinds = [FullAttention(32), SlidingWindow(8, 8)]
     namespaces = [[space(kinds[0], 0)], [space(kinds[1], 1)]]
-    sched = SchedulerEngine(MaskCoordinator(kinds), namespaces, pool.exists)
+    sched = SchedulerCore(MaskCoordinator(kinds), namespaces, pool.exists)
     hashes = hashes_for("p", 16)  # hash block 8 → 128 tokens
     pool.store(namespaces[0], chunk_hashes(hashes, 8, 32), range(4))
     pool.store(namespaces[1], hashes, [3, 7, 11])  # tails before 32, 64, 96 — not before 128
@@ -128,7 +128,7 @@ def test_async_lookup_answers_none_then_the_hit() -> None:
         return pool.backend.exists(keys)
 
     kind = FullAttention(16)
-    sched = SchedulerEngine(MaskCoordinator([kind]), [[space(kind)]], slow_exists, SchedulerConfig(lookup_async=True))
+    sched = SchedulerCore(MaskCoordinator([kind]), [[space(kind)]], slow_exists, SchedulerConfig(lookup_async=True))
     try:
         hashes = hashes_for("p", 8)
         pool.store(sched.namespaces[0], hashes, range(6))
@@ -156,7 +156,7 @@ def test_async_lookup_timeout_is_a_miss() -> None:
         return [True] * len(keys)
 
     kind = FullAttention(16)
-    sched = SchedulerEngine(
+    sched = SchedulerCore(
         MaskCoordinator([kind]), [[space(kind)]], stuck, SchedulerConfig(lookup_async=True, lookup_timeout_s=0.05)
     )
     try:
@@ -176,7 +176,7 @@ def test_backend_exception_is_a_miss(lookup_async: bool) -> None:
         raise ConnectionError("pool down")
 
     kind = FullAttention(16)
-    sched = SchedulerEngine(
+    sched = SchedulerCore(
         MaskCoordinator([kind]), [[space(kind)]], broken, SchedulerConfig(lookup_async=lookup_async)
     )
     try:
@@ -498,6 +498,6 @@ def test_namespaces_must_match_the_groups() -> None:
     kinds = [FullAttention(16), SlidingWindow(16, 32)]
     coord = MaskCoordinator(kinds)
     with pytest.raises(LayoutError, match="2 groups"):
-        SchedulerEngine(coord, [[space(kinds[0])]], Pool().exists)
+        SchedulerCore(coord, [[space(kinds[0])]], Pool().exists)
     with pytest.raises(LayoutError, match="at least one key space"):
-        SchedulerEngine(coord, [[space(kinds[0])], []], Pool().exists)
+        SchedulerCore(coord, [[space(kinds[0])], []], Pool().exists)

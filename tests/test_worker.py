@@ -1,4 +1,4 @@
-"""WorkerEngine saves: incremental == one-shot, blocks read only inside the step, pressure, retries,
+"""WorkerCore saves: incremental == one-shot, blocks read only inside the step, pressure, retries,
 lifecycle, resets."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow, StateSpace
 from kvpool.metadata import RequestDelta, StepMetadata
 from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerCore
 from worker_fakes import (
     BLOCK_BYTES,
     LAYERS,
@@ -70,7 +70,7 @@ def expected_one_shot(
 
 
 def drive(
-    engine: WorkerEngine,
+    engine: WorkerCore,
     model: FakeModel,
     req: str,
     hashes: list[bytes],
@@ -172,7 +172,7 @@ def test_two_ranks_cover_the_one_shot_set_once(model_spec, data) -> None:  # typ
     assert max(written.values(), default=1) == 1
 
 
-def test_incremental_save_examines_only_new_chunks(closing: list[WorkerEngine]) -> None:
+def test_incremental_save_examines_only_new_chunks(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     hashes, _, _ = add_request(model, engine, "r", 256)
     for length in range(16, 257, 16):
@@ -186,7 +186,7 @@ def test_incremental_save_examines_only_new_chunks(closing: list[WorkerEngine]) 
     assert engine.stored_tokens("r") == 256
 
 
-def test_save_skips_null_and_freed_blocks(closing: list[WorkerEngine]) -> None:
+def test_save_skips_null_and_freed_blocks(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing, kinds=[FullAttention(16), SlidingWindow(16, 17)])
     hashes = model.hashes("r", 128)
     tables = model.tables(128)
@@ -204,7 +204,7 @@ def test_save_skips_null_and_freed_blocks(closing: list[WorkerEngine]) -> None:
 # ---- pressure gate and retries ------------------------------------------------------------------
 
 
-def test_small_saves_of_several_steps_go_out_in_one_put(closing: list[WorkerEngine]) -> None:
+def test_small_saves_of_several_steps_go_out_in_one_put(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=8, save_linger_s=10.0))
     _, _, expected = add_request(model, engine, "a", 96)
     _, _, expected_b = add_request(model, engine, "b", 32)
@@ -221,7 +221,7 @@ def test_small_saves_of_several_steps_go_out_in_one_put(closing: list[WorkerEngi
         assert backend.stored(key, len(value)) == value  # each chunk's own bytes, whatever it was merged with
 
 
-def test_held_saves_go_after_the_linger_steps_or_time(closing: list[WorkerEngine]) -> None:
+def test_held_saves_go_after_the_linger_steps_or_time(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=2, save_linger_s=10.0))
     add_request(model, engine, "a", 64)
     engine.save_request("a", 32)
@@ -240,7 +240,7 @@ def test_held_saves_go_after_the_linger_steps_or_time(closing: list[WorkerEngine
     assert timed.put_calls == 1 and time.monotonic() - began >= 0.05
 
 
-def test_held_saves_from_before_a_reset_are_never_stored(closing: list[WorkerEngine]) -> None:
+def test_held_saves_from_before_a_reset_are_never_stored(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=8, save_linger_s=10.0))
     add_request(model, engine, "a", 64)
     engine.save_request("a", 32)  # held by the sender
@@ -253,7 +253,7 @@ def test_held_saves_from_before_a_reset_are_never_stored(closing: list[WorkerEng
     assert engine.stored_tokens("b") == 32
 
 
-def test_pressure_gate_drops_queued_saves_then_clears(closing: list[WorkerEngine]) -> None:
+def test_pressure_gate_drops_queued_saves_then_clears(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "r", 256)
     backend.gate = threading.Event()
@@ -277,7 +277,7 @@ def test_pressure_gate_drops_queued_saves_then_clears(closing: list[WorkerEngine
     assert engine.stored_tokens("r") == 128
 
 
-def test_pressure_drops_every_batch_queued_behind_the_full_put(closing: list[WorkerEngine]) -> None:
+def test_pressure_drops_every_batch_queued_behind_the_full_put(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "r", 256)
     add_request(model, engine, "other", 256)
@@ -298,7 +298,7 @@ def test_pressure_drops_every_batch_queued_behind_the_full_put(closing: list[Wor
     assert not engine.under_pressure  # a put succeeded: the pressure is over
 
 
-def test_success_clears_pressure_for_other_requests(closing: list[WorkerEngine]) -> None:
+def test_success_clears_pressure_for_other_requests(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 64)
     add_request(model, engine, "b", 64)
@@ -312,7 +312,7 @@ def test_success_clears_pressure_for_other_requests(closing: list[WorkerEngine])
     assert engine.stored_tokens("b") == 64 and engine.stored_tokens("a") == 0
 
 
-def test_failed_put_is_retried_by_the_next_save(closing: list[WorkerEngine]) -> None:
+def test_failed_put_is_retried_by_the_next_save(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     hashes, _, expected = add_request(model, engine, "r", 128)
     backend.put_statuses = [Status.ERROR]
@@ -331,7 +331,7 @@ def test_failed_put_is_retried_by_the_next_save(closing: list[WorkerEngine]) -> 
         assert backend.stored(key, 16) == expected[key]
 
 
-def test_partial_put_failure_keeps_the_mark(closing: list[WorkerEngine]) -> None:
+def test_partial_put_failure_keeps_the_mark(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing, config=WorkerConfig(put_batch_chunks=2))
     hashes, _, _ = add_request(model, engine, "r", 128)
     backend.put_statuses = [None, Status.ERROR]  # second batch of two chunks fails
@@ -345,7 +345,7 @@ def test_partial_put_failure_keeps_the_mark(closing: list[WorkerEngine]) -> None
     assert backend.inner.exists([model.key(0, hashes, c) for c in range(8)]) == [True] * 8
 
 
-def test_exists_exception_fails_the_job_not_the_sender(closing: list[WorkerEngine]) -> None:
+def test_exists_exception_fails_the_job_not_the_sender(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "r", 64)
     original = backend.exists
@@ -368,7 +368,7 @@ def test_exists_exception_fails_the_job_not_the_sender(closing: list[WorkerEngin
 
 
 
-def test_save_buffer_limit_drops_and_retries(closing: list[WorkerEngine]) -> None:
+def test_save_buffer_limit_drops_and_retries(closing: list[WorkerCore]) -> None:
     chunk = LAYERS * BLOCK_BYTES
     model, backend, engine = simple(closing, config=WorkerConfig(save_buffer_bytes=2 * chunk))
     add_request(model, engine, "r", 128)
@@ -389,7 +389,7 @@ def test_save_buffer_limit_drops_and_retries(closing: list[WorkerEngine]) -> Non
 
 
 @pytest.mark.parametrize("sync_saves", [False, True])
-def test_blocks_are_read_only_inside_save(closing: list[WorkerEngine], sync_saves: bool) -> None:
+def test_blocks_are_read_only_inside_save(closing: list[WorkerCore], sync_saves: bool) -> None:
     """Right after every save() the engine overwrites every block (reuse after preemption, abort, finish
     or a window slide; zeroing and copy-on-write of vLLM's Model Runner V2). No stored chunk may hold
     anything but the bytes its key names, whenever the sender gets to it."""
@@ -426,7 +426,7 @@ def test_blocks_are_read_only_inside_save(closing: list[WorkerEngine], sync_save
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("save_state", ["running", "queued"])
 def test_a_block_zeroed_before_the_pre_forward_hook_is_never_stored(
-    closing: list[WorkerEngine], runner: str, save_state: str
+    closing: list[WorkerCore], runner: str, save_state: str
 ) -> None:
     """vLLM's Model Runner V2 zeroes newly allocated blocks (and applies copy-on-write copies) in
     `update_requests`, before `pre_forward` calls the connector; V1 calls the connector first. A save
@@ -460,7 +460,7 @@ def test_a_block_zeroed_before_the_pre_forward_hook_is_never_stored(
 # ---- finish / preempt while saving ------------------------------------------------------------
 
 
-def test_finish_while_a_save_runs_retires_the_request_after_it(closing: list[WorkerEngine]) -> None:
+def test_finish_while_a_save_runs_retires_the_request_after_it(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "r", 64)
     backend.gate = threading.Event()
@@ -474,7 +474,7 @@ def test_finish_while_a_save_runs_retires_the_request_after_it(closing: list[Wor
     assert len(set(backend.put_keys)) == 4
 
 
-def test_finish_while_queued_runs_the_save(closing: list[WorkerEngine]) -> None:
+def test_finish_while_queued_runs_the_save(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 64)
     hashes_b, _, expected_b = add_request(model, engine, "b", 64)
@@ -491,7 +491,7 @@ def test_finish_while_queued_runs_the_save(closing: list[WorkerEngine]) -> None:
     assert engine.active_requests() == 0
 
 
-def test_preempt_while_queued_still_stores_what_was_captured(closing: list[WorkerEngine]) -> None:
+def test_preempt_while_queued_still_stores_what_was_captured(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 64)
     hashes_b, tables_b, expected_b = add_request(model, engine, "b", 64)
@@ -512,7 +512,7 @@ def test_preempt_while_queued_still_stores_what_was_captured(closing: list[Worke
     assert engine.active_requests() == 0
 
 
-def test_a_request_state_starts_only_at_its_first_delta(closing: list[WorkerEngine]) -> None:
+def test_a_request_state_starts_only_at_its_first_delta(closing: list[WorkerCore]) -> None:
     """A delta that is not a request's first (no prompt length) must not start a state: its hashes
     would pair with the wrong chunks. The save of such a request is skipped, never mis-keyed."""
     model, backend, engine = simple(closing)
@@ -528,7 +528,7 @@ def test_a_request_state_starts_only_at_its_first_delta(closing: list[WorkerEngi
 # ---- resets --------------------------------------------------------------------------------------
 
 
-def test_a_reset_drops_queued_saves_and_freezes_live_requests(closing: list[WorkerEngine]) -> None:
+def test_a_reset_drops_queued_saves_and_freezes_live_requests(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 128)
     add_request(model, engine, "b", 64)
@@ -550,7 +550,7 @@ def test_a_reset_drops_queued_saves_and_freezes_live_requests(closing: list[Work
     assert engine.stats.resets == 1
 
 
-def test_a_reset_that_gives_up_waiting_removes_the_late_put(closing: list[WorkerEngine]) -> None:
+def test_a_reset_that_gives_up_waiting_removes_the_late_put(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 32)
     backend.gate = threading.Event()
@@ -565,10 +565,10 @@ def test_a_reset_that_gives_up_waiting_removes_the_late_put(closing: list[Worker
 # ---- bad input ------------------------------------------------------------------------------------
 
 
-def test_engine_rejects_mismatched_groups(closing: list[WorkerEngine]) -> None:
+def test_engine_rejects_mismatched_groups(closing: list[WorkerCore]) -> None:
     model = FakeModel([FullAttention(16), SlidingWindow(16, 32)])
     with pytest.raises(LayoutError, match="1 group placements for 2 groups"):
-        WorkerEngine(MemoryBackend(1 << 20), model.coord, [GroupPlacement(model.spaces[0])])
+        WorkerCore(MemoryBackend(1 << 20), model.coord, [GroupPlacement(model.spaces[0])])
     engine = model.engine(RecordingBackend())
     closing.append(engine)
     one_group = KVLayout({"x": np.zeros((4, 8), dtype=np.uint8)}, {"x": 0}, 4)
@@ -578,10 +578,10 @@ def test_engine_rejects_mismatched_groups(closing: list[WorkerEngine]) -> None:
         engine.apply([RequestDelta("r", new_hashes=[b"x"], new_blocks=([1],), num_prompt_tokens=16)])
 
 
-def test_save_before_layout_fails_the_job_only(closing: list[WorkerEngine]) -> None:
+def test_save_before_layout_fails_the_job_only(closing: list[WorkerCore]) -> None:
     model = FakeModel([FullAttention(16)])
     backend = RecordingBackend()
-    engine = WorkerEngine(backend, model.coord, [GroupPlacement(model.spaces[0])])
+    engine = WorkerCore(backend, model.coord, [GroupPlacement(model.spaces[0])])
     closing.append(engine)
     hashes = model.hashes("r", 32)
     tables = model.tables(32)

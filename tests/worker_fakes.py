@@ -18,7 +18,7 @@ from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, FullAttention, MaskCoordinator
 from kvpool.metadata import RequestDelta
 from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerCore
 
 LAYERS = 2
 BLOCK_BYTES = 8  # per layer: chunk values are LAYERS * BLOCK_BYTES bytes
@@ -162,21 +162,21 @@ class FakeModel:
 
     def engine(
         self, backend: Any, put_step: int = 1, rank: int = 0, config: WorkerConfig | None = None
-    ) -> WorkerEngine:
+    ) -> WorkerCore:
         placements = [GroupPlacement(space, put_step, (rank + g) % put_step) for g, space in enumerate(self.spaces)]
-        return WorkerEngine(backend, self.coord, placements, self.layout, config)
+        return WorkerCore(backend, self.coord, placements, self.layout, config)
 
     def key(self, group: int, hashes: list[bytes], chunk: int) -> str:
         return self.spaces[group].key(chunk_hashes(hashes, self.h, self.kinds[group].block_size)[chunk])
 
 
-def start(engine: WorkerEngine, req: str, hashes: list[bytes], tables: tuple[list[int], ...], prompt: int = 0) -> None:
+def start(engine: WorkerCore, req: str, hashes: list[bytes], tables: tuple[list[int], ...], prompt: int = 0) -> None:
     engine.apply([RequestDelta(req, new_hashes=list(hashes), new_blocks=tables, num_prompt_tokens=prompt or 1 << 20)])
 
 
 def simple(
-    closing: list[WorkerEngine], config: WorkerConfig | None = None, kinds: Sequence[AttentionKind] | None = None
-) -> tuple[FakeModel, RecordingBackend, WorkerEngine]:
+    closing: list[WorkerCore], config: WorkerConfig | None = None, kinds: Sequence[AttentionKind] | None = None
+) -> tuple[FakeModel, RecordingBackend, WorkerCore]:
     model = FakeModel(kinds or [FullAttention(16)])
     backend = RecordingBackend()
     engine = model.engine(backend, config=config)
@@ -184,7 +184,7 @@ def simple(
     return model, backend, engine
 
 
-def add_request(model: FakeModel, engine: WorkerEngine, req: str, tokens: int) -> tuple[list[bytes], tuple, dict]:  # type: ignore[type-arg]
+def add_request(model: FakeModel, engine: WorkerCore, req: str, tokens: int) -> tuple[list[bytes], tuple, dict]:  # type: ignore[type-arg]
     hashes = model.hashes(req, tokens)
     tables = model.tables(tokens)
     expected = model.fill(req, tables, hashes)

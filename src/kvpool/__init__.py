@@ -19,8 +19,8 @@ from kvpool.layout import KVLayout
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow, StateSpace
 from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
 from kvpool.plan import GroupPlacement
-from kvpool.scheduler import SchedulerConfig, SchedulerEngine
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.scheduler import SchedulerConfig, SchedulerCore
+from kvpool.worker import WorkerConfig, WorkerCore
 
 __version__ = "0.1.0"
 
@@ -47,13 +47,13 @@ __all__ = [
     "RequestDelta",
     "Rows",
     "SchedulerConfig",
-    "SchedulerEngine",
+    "SchedulerCore",
     "SlidingWindow",
     "StateSpace",
     "Status",
     "StepMetadata",
     "WorkerConfig",
-    "WorkerEngine",
+    "WorkerCore",
     "chunk_hashes",
     "create_backend",
     "process_tokens",

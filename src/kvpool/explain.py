@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpool.keys import chunk_hashes
-from kvpool.scheduler import SchedulerEngine
+from kvpool.scheduler import SchedulerCore
 
 
 class StopReason(str, enum.Enum):
@@ -61,7 +61,7 @@ class Explanation:
         return data
 
 
-def explain(scheduler: SchedulerEngine, block_hashes: Sequence[bytes], num_tokens: int) -> Explanation:
+def explain(scheduler: SchedulerCore, block_hashes: Sequence[bytes], num_tokens: int) -> Explanation:
     """Where a lookup of this prompt (its engine block hashes, its length) hits, and why it stops there."""
     coord = scheduler.coordinator
     hashed = len(block_hashes) * coord.hash_block_size
@@ -80,7 +80,7 @@ def explain(scheduler: SchedulerEngine, block_hashes: Sequence[bytes], num_token
 
 
 def _stop(
-    scheduler: SchedulerEngine,
+    scheduler: SchedulerCore,
     found: list[list[bool]],
     num_tokens: int,
     hashed: int,

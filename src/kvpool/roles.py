@@ -29,8 +29,8 @@ from kvpool.backends.memory import MemoryBackend
 from kvpool.config import KVPoolConfig
 from kvpool.index import PoolIndex, PoolTracker
 from kvpool.plan import ModelPlan
-from kvpool.scheduler import Exists, Healthy, SchedulerConfig, SchedulerEngine
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.scheduler import Exists, Healthy, SchedulerConfig, SchedulerCore
+from kvpool.worker import WorkerConfig, WorkerCore
 
 log = logging.getLogger("kvpool.roles")
 
@@ -41,14 +41,14 @@ WORKER_DRAIN_S = 10.0  # at shutdown, how long queued saves and loads may still 
 
 @dataclass
 class SchedulerRole:
-    core: SchedulerEngine
+    core: SchedulerCore
     index: PoolIndex | None  # embedded pools: what they hold
     backend: Backend | None  # remote pool: the scheduler's own client
     loads_in_step: bool
 
     def reset(self) -> bool:
         """Lookups miss from now on; the workers empty their pools at their next step, before its loads
-        (see WorkerEngine.reset). A shared pool is emptied now too. False: emptying it failed."""
+        (see WorkerCore.reset). A shared pool is emptied now too. False: emptying it failed."""
         self.core.reset()
         try:
             if self.backend is not None:
@@ -93,7 +93,7 @@ def scheduler_role(
         if report is not None:
             index.apply(report)
     remote = backend is not None
-    core = SchedulerEngine(
+    core = SchedulerCore(
         plan.coordinator,
         plan.lookup_namespaces(),
         exists,
@@ -123,7 +123,7 @@ def worker_config(config: KVPoolConfig) -> WorkerConfig:
 
 @dataclass
 class WorkerRole:
-    core: WorkerEngine
+    core: WorkerCore
     backend: Backend
     tracker: PoolTracker | None  # an embedded pool's contents, for the scheduler's index
 
@@ -142,5 +142,5 @@ def worker_role(config: KVPoolConfig, plan: ModelPlan, *, make_backend: MakeBack
     if isinstance(backend, MemoryBackend):
         tracker = PoolTracker(plan.rank, [p.keys for p in placements], backend.keys())
         backend.add_listener(tracker.dropped)
-    core = WorkerEngine(backend, plan.coordinator, placements, config=worker_config(config), tracker=tracker)
+    core = WorkerCore(backend, plan.coordinator, placements, config=worker_config(config), tracker=tracker)
     return WorkerRole(core, backend, tracker)

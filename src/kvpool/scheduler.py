@@ -62,7 +62,7 @@ class _Tracker:
     load: LoadSpec | None = None
 
 
-class SchedulerEngine:
+class SchedulerCore:
     """Engine-neutral scheduler half. `namespaces[g]` lists the key spaces a chunk of group g must be
     present in (one per TP shard / PP rank) to count as a hit."""
 

@@ -9,7 +9,7 @@ abort or finish, slide it out of a window, zero it or copy into it (vLLM's Model
 *before* the connector's pre-forward hook, V1 after it) - cannot reach a stored chunk. No fence, no
 delayed frees, the same guarantee in every runner order.
 
-`WorkerEngine` is the facade the engine calls. What it knows of each request, and the save ranges
+`WorkerCore` is the facade the engine calls. What it knows of each request, and the save ranges
 planned from that with two high-water marks, is `SavePlanner`'s (`save_plan.py`); the captured batch
 is `save_batch.py`'s, its async put `sender.py`'s, loads `loader.py`'s. One lock guards the planner,
 the reset epoch and the pressure gate: the sender's and the loader's threads end batches and loads
@@ -87,7 +87,7 @@ class LoadFailures:
     failed_requests: set[str]
 
 
-class WorkerEngine:
+class WorkerCore:
     """One per engine worker (rank). Thread-safe; the sender and the loader run on their own threads."""
 
     def __init__(

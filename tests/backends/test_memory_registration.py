@@ -15,7 +15,7 @@ from kvpool.layout import KVLayout
 from kvpool.masks import FullAttention, MaskCoordinator
 from kvpool.metadata import LoadSpec, RequestDelta
 from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerCore
 
 BLOCKS = 8
 
@@ -38,9 +38,9 @@ class Registering(MemoryBackend):
         return self.regions.pop(address, None) is not None
 
 
-def _engine(backend: Any, layout: KVLayout) -> WorkerEngine:
+def _engine(backend: Any, layout: KVLayout) -> WorkerCore:
     space = KeySpace(LayoutFingerprint("m", "u8", 16, "test"))
-    engine = WorkerEngine(backend, MaskCoordinator([FullAttention(16)]), [GroupPlacement(space)], config=WorkerConfig())
+    engine = WorkerCore(backend, MaskCoordinator([FullAttention(16)]), [GroupPlacement(space)], config=WorkerConfig())
     engine.register_layout(layout)
     return engine
 

@@ -5,7 +5,7 @@
         spec and writes the results and the worker's stats.
 
     python mooncake_driver.py tp-rank MASTER RANK PUT_STEP OUT_JSON
-        One tensor-parallel rank at the core level: a WorkerEngine over its own zero-segment Mooncake
+        One tensor-parallel rank at the core level: a WorkerCore over its own zero-segment Mooncake
         client saves the chunk set of `tp_requests()` with put_step/put_step_rank, and records every
         key it handed to the backend.
 """
@@ -114,12 +114,12 @@ def tp_expected_value(group: int, block_id: int) -> bytes:
 def run_tp_rank(backend: Any, namespace: str, put_step: int, rank: int, layout: Any = None) -> CountingBackend:
     """Save every request of `tp_requests` incrementally, as this rank; returns the counting backend."""
     from kvpool.metadata import RequestDelta
-    from kvpool.worker import GroupPlacement, WorkerEngine
+    from kvpool.worker import GroupPlacement, WorkerCore
 
     coordinator, spaces = tp_model(namespace)
     counting = CountingBackend(backend)
     placements = [GroupPlacement(space, put_step, (rank + g) % put_step) for g, space in enumerate(spaces)]
-    engine = WorkerEngine(counting, coordinator, placements, layout or tp_layout())
+    engine = WorkerCore(counting, coordinator, placements, layout or tp_layout())
     try:
         for req_id, hashes, tables in tp_requests(namespace):
             sent, previous = 0, 0

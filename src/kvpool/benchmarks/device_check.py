@@ -1,4 +1,4 @@
-"""The device check: kvpool's worker engine and embedded pool on a synthetic vLLM-shaped paged KV
+"""The device check: kvpool's worker core and embedded pool on a synthetic vLLM-shaped paged KV
 cache on CUDA, with no vLLM (a lent GPU machine has torch and no network). `--dry-run` runs the same
 code on the CPU, small, so `make test` exercises everything but CUDA.
 
@@ -37,7 +37,7 @@ from kvpool.layout import KVLayout
 from kvpool.masks import FullAttention, MaskCoordinator
 from kvpool.metadata import LoadSpec, RequestDelta
 from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerCore
 
 BANDWIDTH_TARGET = 0.8
 OVERLAP_TARGET = 1.03
@@ -64,7 +64,7 @@ DRY_BANDWIDTH = (Shape(layers=2, heads=2, head_dim=32, blocks=64), DRY)
 
 
 class Rig:
-    """One synthetic KV cache, the layout over it, an embedded pool and a worker engine."""
+    """One synthetic KV cache, the layout over it, an embedded pool and a worker core."""
 
     def __init__(self, shape: Shape, device: str, pool_bytes: int) -> None:
         import torch
@@ -82,7 +82,7 @@ class Rig:
         self.pool = MemoryBackend(pool_bytes)
         kind = FullAttention(shape.block)
         space = KeySpace(LayoutFingerprint("device-check", "bf16", shape.block, device, chunk_bytes=shape.chunk_bytes))
-        self.engine = WorkerEngine(
+        self.engine = WorkerCore(
             self.pool,
             MaskCoordinator([kind]),
             [GroupPlacement(space)],

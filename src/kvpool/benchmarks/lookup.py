@@ -27,7 +27,7 @@ import numpy as np
 from kvpool.index import PoolIndex, PoolReport
 from kvpool.keys import KeySpace, LayoutFingerprint
 from kvpool.masks import FullAttention, MaskCoordinator
-from kvpool.scheduler import SchedulerEngine
+from kvpool.scheduler import SchedulerCore
 
 TARGET_TOKENS = 32768
 TARGET_P99_US = 50.0
@@ -86,7 +86,7 @@ def _cells(block: int, tokens: int, reps: int, backend: Any) -> list[dict[str, A
             parents = {h: hashes[i - 1] if i else b"" for i, h in enumerate(hashes)}
             index.apply(PoolReport(0, 0, stored={space.prefix: hashes}, parents={space.prefix: parents}))
         rows.append(_row("embedded", block, tokens, stored, _lookups(coord, space, index.present, hashes, reps, index)))
-        found = SchedulerEngine(coord, [[space]], _unused, index=index).longest_hit(hashes, tokens + 1)
+        found = SchedulerCore(coord, [[space]], _unused, index=index).longest_hit(hashes, tokens + 1)
         _expect("embedded", found, tokens if stored else 0)
         local = _vllm_local_lookup(block, hashes, stored)
         if local is not None:
@@ -108,7 +108,7 @@ def _cells(block: int, tokens: int, reps: int, backend: Any) -> list[dict[str, A
 def _lookups(
     coord: MaskCoordinator, space: KeySpace, exists: Any, hashes: list[bytes], reps: int, index: PoolIndex | None = None
 ) -> list[float]:
-    engine = SchedulerEngine(coord, [[space]], exists if index is None else _unused, index=index)
+    engine = SchedulerCore(coord, [[space]], exists if index is None else _unused, index=index)
     lookup = partial(engine.longest_hit, hashes, len(hashes) * coord.lcm + 1)
     return _time(lookup, reps)
 

@@ -3,7 +3,7 @@
 `requests` concurrent requests decode one token per step at a given context length; each step every
 request saves its KV up to its new length, against the embedded MemoryBackend.
 
-* `incremental`: the real `WorkerEngine` path (deltas → `apply` → `save` → sender thread), drained
+* `incremental`: the real `WorkerCore` path (deltas → `apply` → `save` → sender thread), drained
   every step so the sender's work is inside the timed window. Each save examines only the chunks
   past the request's high-water mark.
 * `full`: a faithful re-creation of vLLM's reference store path: every save runs `process_tokens`
@@ -35,7 +35,7 @@ from kvpool.layout import KVLayout
 from kvpool.masks import FullAttention, MaskCoordinator
 from kvpool.metadata import RequestDelta
 from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerEngine
+from kvpool.worker import WorkerConfig, WorkerCore
 
 LAYERS = 2
 LAYER_BLOCK_BYTES = 256
@@ -137,16 +137,16 @@ def _measure_full(cell: _Cell, steps: int, on_block: bool) -> dict[str, float]:
     return {"cpu_s": cpu, "wall_s": wall, "examined": examined, "steps": steps}
 
 
-# ---- the incremental store path (the real WorkerEngine) -----------------------------------------
+# ---- the incremental store path (the real WorkerCore) -----------------------------------------
 
 
 class _IncrementalRun:
-    """A WorkerEngine over one cell, pre-filled to the context; `window` times decode steps."""
+    """A WorkerCore over one cell, pre-filled to the context; `window` times decode steps."""
 
     def __init__(self, cell: _Cell) -> None:
         self.cell = cell
         self.backend = MemoryBackend(cell.capacity)
-        self.engine = WorkerEngine(
+        self.engine = WorkerCore(
             self.backend,
             cell.coordinator,
             [GroupPlacement(cell.space)],
@@ -285,7 +285,7 @@ def run(contexts: list[int], block_sizes: list[int], requests: int, steps: int) 
         "elapsed_s": round(time.perf_counter() - started, 2),
         "notes": [
             "cpu_us_per_step: process CPU time (all threads, the sender's included) per decode step of all requests",
-            "incremental: the real WorkerEngine path, drained every step; fastest of "
+            "incremental: the real WorkerCore path, drained every step; fastest of "
             f"{WINDOWS} windows (contexts interleaved) of `steps` steps rounded up to a multiple of the block size",
             "full: process_tokens from token 0 + a key per chunk + exists for all + put missing, every step; "
             f"fewer steps (>= {MIN_FULL_STEPS}) where a cell would examine over {FULL_KEYS_BUDGET} keys",

@@ -17,19 +17,19 @@ import threading
 from typing import Protocol, TypeVar
 
 from kvpool.index import PoolTracker
-from kvpool.scheduler import SchedulerEngine
-from kvpool.worker import WorkerEngine
+from kvpool.scheduler import SchedulerCore
+from kvpool.worker import WorkerCore
 
 
 class WorkerEntry(Protocol):
     """A worker connector: its core, and its embedded pool's tracker (None: a remote pool)."""
 
-    core: WorkerEngine
+    core: WorkerCore
     tracker: PoolTracker | None
 
 
 class SchedulerEntry(Protocol):
-    core: SchedulerEngine
+    core: SchedulerCore
 
 
 Entry = TypeVar("Entry", WorkerEntry, SchedulerEntry)
@@ -69,13 +69,13 @@ def worker_entry(engine_id: str) -> WorkerEntry | None:
         return _LOCAL_WORKERS.get(engine_id)
 
 
-def local_worker(engine_id: str | None = None) -> WorkerEngine | None:
+def local_worker(engine_id: str | None = None) -> WorkerCore | None:
     """The in-process worker core (tests, demo): by engine id, or the only one."""
     entry = _only(_LOCAL_WORKERS, engine_id)
     return entry.core if entry is not None else None
 
 
-def local_scheduler(engine_id: str | None = None) -> SchedulerEngine | None:
+def local_scheduler(engine_id: str | None = None) -> SchedulerCore | None:
     """The in-process scheduler core (tests, demo): by engine id, or the only one."""
     entry = _only(_LOCAL_SCHEDULERS, engine_id)
     return entry.core if entry is not None else None

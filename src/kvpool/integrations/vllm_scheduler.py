@@ -1,5 +1,5 @@
 """The scheduler role of kvpool's vLLM connector: vLLM's requests and scheduler output, translated
-for the scheduler core (`kvpool.scheduler.SchedulerEngine`) into one step's metadata for the workers;
+for the scheduler core (`kvpool.scheduler.SchedulerCore`) into one step's metadata for the workers;
 the workers' output translated back into the core's failed loads and the index's reports.
 
 Invariants: a step's metadata costs O(what changed): block ids come from the scheduler output, and
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class SchedulerSide:
-    """The scheduler connector's calls, translated for its core (`SchedulerEngine`)."""
+    """The scheduler connector's calls, translated for its core (`SchedulerCore`)."""
 
     def __init__(self, config: KVPoolConfig, plan: ModelPlan, engine_id: str, vllm_config: VllmConfig) -> None:
         self.engine_id = engine_id

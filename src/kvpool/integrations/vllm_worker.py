@@ -1,5 +1,5 @@
 """The worker role of kvpool's vLLM connector: vLLM's KV tensors and per-step hooks, translated for
-the worker core (`kvpool.worker.WorkerEngine`), and its results translated back.
+the worker core (`kvpool.worker.WorkerCore`), and its results translated back.
 
 Invariants: a step's metadata reaches the core's `apply` once, whichever of vLLM's hooks (start of
 the load, end of the forward) hands it over first; saves run after the forward, so device tensors
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class WorkerSide:
-    """The worker connector's calls, translated for its core (`WorkerEngine`)."""
+    """The worker connector's calls, translated for its core (`WorkerCore`)."""
 
     def __init__(self, config: KVPoolConfig, plan: ModelPlan, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         self.config = config
