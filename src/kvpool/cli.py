@@ -176,6 +176,21 @@ def bench_lookup(
     _emit(result, as_json, lookup.print_table, no_fail)
 
 
+@bench_app.command("scale")
+def bench_scale(
+    as_json: AsJson = False,
+    no_fail: NoFail = False,
+    concurrency: Annotated[str, typer.Option(help="concurrent requests per step, comma separated")] = "1,4,16,64,256",
+    pool_requests: Annotated[int, typer.Option(help="requests of the pool-at-capacity workload", min=1)] = 20_000,
+) -> None:
+    """Store-path and lookup cost per request vs concurrency; the embedded pool at capacity, before and after
+    chain-aware eviction."""
+    from kvpool.benchmarks import scale
+
+    args = {**scale.ALL_ARGS, "concurrency": _ints("--concurrency", concurrency), "pool_requests": pool_requests}
+    _emit(scale.run(**args), as_json, scale.print_table, no_fail)
+
+
 @bench_app.command("serve-overhead")
 def bench_serve_overhead(
     as_json: AsJson = False,
@@ -188,6 +203,61 @@ def bench_serve_overhead(
 
     result = serve_overhead.run(prompts=prompts, rounds=rounds)
     _emit(result, as_json, serve_overhead.print_table, no_fail)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    as_json: AsJson = False,
+    no_fail: NoFail = False,
+    systems: Annotated[str, typer.Option(help="systems, comma separated (default: all)")] = "",
+    concurrencies: Annotated[str, typer.Option(help="client concurrencies, comma separated")] = "1,4,16",
+) -> None:
+    """End to end behind vLLM's OpenAI server with vLLM's serving benchmark client: kvpool next to the peers."""
+    from kvpool.benchmarks import serve, serve_systems
+
+    names = [part.strip() for part in systems.split(",") if part.strip()] or list(serve_systems.SYSTEMS)
+    try:
+        result = serve.run(systems=names, concurrencies=tuple(_ints("--concurrencies", concurrencies)))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--systems") from exc
+    _emit(result, as_json, serve.print_table, no_fail)
+
+
+@bench_app.command("all")
+def bench_all(
+    as_json: AsJson = False,
+    no_fail: NoFail = False,
+    only: Annotated[str, typer.Option(help="benches to run, comma separated (default: all)")] = "",
+    out: Annotated[str, typer.Option(help="folder for the results")] = "benchmarks/results",
+    report: Annotated[str, typer.Option(help="the report whose generated parts are rewritten ('' for none)")] = (
+        "BENCHMARKS.md"
+    ),
+    tiny: Annotated[bool, typer.Option("--tiny", help="tiny sizes: checks the suite runs, gives no figures")] = False,
+) -> None:
+    """Every bench of the report: results, tables and plots into --out, and BENCHMARKS.md's generated parts."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvpool.benchmarks import suite
+
+    try:
+        benches = suite.select([part.strip() for part in only.split(",") if part.strip()])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--only") from exc
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+        transient=as_json,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("kvpool bench all", total=suite.units(benches, tiny))
+        result = suite.run(
+            benches,
+            out_dir=Path(out),
+            report=Path(report) if report else None,
+            tiny=tiny,
+            progress=lambda what, done: bar.update(task, advance=done, description=what),
+        )
+    _emit(result, as_json, lambda r: typer.echo(json.dumps(r["verdicts"], indent=2)), no_fail)
 
 
 @bench_app.command("hang")

@@ -182,7 +182,12 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if column in ("path", "case") else "right")
     for r in result["rows"]:
         table.add_row(
-            r["path"], str(r["block_size"]), str(r["tokens"]), str(r["chunks"]), r["case"], str(r["p50_us"]),
+            r["path"],
+            str(r["block_size"]),
+            str(r["tokens"]),
+            str(r["chunks"]),
+            r["case"],
+            str(r["p50_us"]),
             str(r["p99_us"]),
         )
     Console().print(table)
@@ -192,3 +197,59 @@ def print_table(result: dict[str, Any]) -> None:
             f"local lookup p99 = {ratio['ratio']}"
         )
     Console().print(f"target: {result['target']}: {'PASS' if result['pass'] else 'FAIL'}")
+
+
+ALL_ARGS: dict[str, Any] = {"contexts": [1024, 4096, 16384, 32768, 65536, 131072], "block_sizes": [16, 64], "reps": 200}
+TINY_ARGS: dict[str, Any] = {"contexts": [1024, 4096], "block_sizes": [64], "reps": 10}
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """p50/p99 µs per path, one row per (block size, prompt length, case); the target line."""
+    from kvpool.benchmarks.report import markdown_table, verdict
+
+    paths = list(dict.fromkeys(r["path"] for r in result["rows"]))
+    cells: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for r in result["rows"]:
+        cells.setdefault((r["block_size"], r["tokens"], r["case"]), {})[r["path"]] = r
+    headers = ["block", "tokens", "case", *[f"{p} p50 / p99 µs" for p in paths]]
+    rows = [
+        [block, tokens, case, *[_pair(found.get(p)) for p in paths]]
+        for (block, tokens, case), found in sorted(cells.items())
+    ]
+    target = [r for r in result["rows"] if r["path"] == "embedded" and r["tokens"] == TARGET_TOKENS]
+    worst = max((r["p99_us"] for r in target), default=None)
+    lines = [
+        verdict(
+            f"embedded lookup p99 at {TARGET_TOKENS:,} tokens (µs)", worst, f"<= {TARGET_P99_US:.0f}", result["pass"]
+        )
+    ]
+    lines += [
+        f"- embedded p99 ÷ vLLM's own local prefix-cache lookup p99, block {r['block_size']}, {r['case']}: {r['ratio']}"
+        for r in result["embedded_p99_vs_vllm_local"]
+    ]
+    return markdown_table(headers, rows) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def _pair(row: dict[str, Any] | None) -> str:
+    return "-" if row is None else f"{row['p50_us']:,.1f} / {row['p99_us']:,.1f}"
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """p99 µs vs prompt length per path (all-hit), one panel per block size, log-log."""
+    from kvpool.benchmarks.report import figure
+
+    blocks = sorted({r["block_size"] for r in result["rows"]})
+    with figure(path, ncols=len(blocks)) as (_fig, axes):
+        for axis, block in zip(axes, blocks):
+            for name in dict.fromkeys(r["path"] for r in result["rows"]):
+                points = sorted(
+                    (r["tokens"], r["p99_us"])
+                    for r in result["rows"]
+                    if (r["path"], r["block_size"], r["case"]) == (name, block, "all-hit")
+                )
+                axis.plot([t for t, _ in points], [v for _, v in points], "-o", label=name)
+            axis.axhline(TARGET_P99_US, color="gray", ls=":", label="target (32k)")
+            axis.set(title=f"lookup p99, all-hit, block {block}", xlabel="prompt tokens", ylabel="µs")
+            axis.set_xscale("log")
+            axis.set_yscale("log")
+            axis.legend(fontsize=7)

@@ -140,3 +140,56 @@ def _gbps_cell(row: dict[str, Any], path: str) -> str:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes // MiB}M" if nbytes >= MiB else f"{nbytes // KiB}K"
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """One row per cell: kvpool's GB/s, the baseline's, the ratio and the seals' cost; the target lines."""
+    from kvpool.benchmarks.report import markdown_table, verdict
+
+    summary = result["summary"]
+    mooncake = result["backend"] == "mooncake"
+    headers = [*(["placement"] if mooncake else []), "op", "chunk", "pieces", "kvpool GB/s", "baseline", "GB/s"]
+    headers += ["ratio", "sampled seal", "full seal"]
+    rows = []
+    for row, check in zip(result["results"], summary["ratios"]):
+        base = check["baseline"]
+        cost = row["seal_cost"]
+        rows.append(
+            [*([row["placement"]] if mooncake else []), row["op"], _size(row["chunk_bytes"]), row["pieces"],
+             row["kvpool_gbps"], base.replace("_", " "), row[f"{base}_gbps"], check["ratio"],
+             f"{cost['sampled']:.1%}", f"{cost['full']:.0%}"]
+        )  # fmt: skip
+    integrity = summary["integrity"]
+    lines = [
+        verdict(
+            f"worst ratio ({summary['target']})", summary["min_ratio"], f">= {summary['threshold']}", summary["pass"]
+        ),
+        verdict(
+            "worst sampled-seal cost on a load (opt-in: off by default)",
+            integrity["worst_load_cost"],
+            f"< {SEAL_COST_TARGET}",
+            integrity["pass"],
+        ),
+    ]
+    return markdown_table(headers, rows) + "\n\n" + "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    """GB/s vs chunk size, kvpool next to its baseline, one panel per op (and placement)."""
+    from kvpool.benchmarks.report import figure
+
+    keys = list(dict.fromkeys((row.get("placement", ""), row["op"]) for row in result["results"]))
+    with figure(path, ncols=len(keys), width=4.5) as (_fig, axes):
+        for axis, (placement, op) in zip(axes, keys):
+            cells = [r for r in result["results"] if (r.get("placement", ""), r["op"]) == (placement, op)]
+            for pieces in sorted({r["pieces"] for r in cells}):
+                mine = sorted((r["chunk_bytes"], r) for r in cells if r["pieces"] == pieces)
+                sizes = [size / KiB for size, _ in mine]
+                base = _baseline(result["backend"], mine[0][1])
+                axis.plot(sizes, [r["kvpool_gbps"] for _, r in mine], "-o", label=f"kvpool, {pieces} pieces")
+                axis.plot(sizes, [r[f"{base}_gbps"] for _, r in mine], "--.", label=f"{base}, {pieces} pieces")
+            axis.set(
+                title=f"{result['backend']} {placement} {op}".replace("  ", " "), xlabel="chunk KiB", ylabel="GB/s"
+            )
+            axis.set_xscale("log")
+            axis.legend(fontsize=7)

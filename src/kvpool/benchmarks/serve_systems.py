@@ -1,0 +1,150 @@
+"""The systems `kvpool bench serve` puts behind vLLM's OpenAI server, each with what it needs running.
+
+One system, one server: `start(name, capacity_bytes)` yields the `kv_transfer_config`, environment
+and server flags for `openai_server`, with the system's own services (a mooncake_master, a segment
+holder, LMCache's server) running until the context exits. Every pool gets the same capacity.
+
+* `none`: no connector and vLLM's prefix caching off: every request computes its whole prompt (the
+  baseline every ratio divides by).
+* `local`: no connector, vLLM's own prefix cache on (vLLM's default): what the engine gives alone;
+  its hit on a prompt sent again at once is the floor for any hit.
+* `example`: vLLM's `ExampleConnector` (whole requests as files in a temporary folder).
+* `vllm-mooncake`: vLLM's `MooncakeStoreConnector` on a real mooncake_master, its client giving no
+  memory (`global_segment_size: 0`) and a standalone segment holder giving the pool's.
+* `lmcache`: vLLM's `LMCacheMPConnector` to LMCache's multi-process server (`lmcache_peer`).
+* `kvpool`: kvpool, embedded pool. `kvpool-mooncake`: kvpool on a real master and segment holder,
+  laid out as for `vllm-mooncake`.
+
+vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector` are in `UNSUPPORTED`: they refuse to
+start on vLLM's CPU build (CUDA/XPU only); the bench tries each and reports how it failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEMS = ("none", "local", "example", "vllm-mooncake", "lmcache", "kvpool", "kvpool-mooncake")
+PEERS = ("example", "vllm-mooncake", "lmcache")  # the connectors kvpool is measured against
+KVPOOL_SYSTEMS = ("kvpool", "kvpool-mooncake")
+UNSUPPORTED = {
+    "OffloadingConnector": {"cpu_bytes_to_use": 256 << 20},
+    "SimpleCPUOffloadConnector": {},
+}
+KVPOOL_MODULE = "kvpool.integrations.vllm"
+
+
+@dataclass
+class SystemSetup:
+    """What `openai_server` needs for one system."""
+
+    kv_transfer_config: dict[str, Any] | None
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
+    """Run `name`'s services for the duration; yields the server settings that reach them."""
+    if name == "none":
+        yield SystemSetup(None, extra_args=["--no-enable-prefix-caching"])
+    elif name == "local":
+        yield SystemSetup(None)
+    elif name == "example":
+        with tempfile.TemporaryDirectory(prefix="kvpool-bench-example-") as folder:
+            yield SystemSetup(
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": folder},
+                }
+            )
+    elif name == "kvpool":
+        yield SystemSetup(_kvpool({"capacity_bytes": capacity_bytes}))
+    elif name in ("vllm-mooncake", "kvpool-mooncake"):
+        with _mooncake_pool(capacity_bytes) as master:
+            if name == "kvpool-mooncake":
+                options = {**master.backend_options(), "global_segment_size": 0}
+                yield SystemSetup(_kvpool({"backend": "mooncake", "mooncake": options}), env=_mooncake_env())
+            else:
+                with _vllm_mooncake_config(master.address) as path:
+                    yield SystemSetup(
+                        {
+                            "kv_connector": "MooncakeStoreConnector",
+                            "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"lookup_rpc_port": _free_port()},
+                        },
+                        env={**_mooncake_env(), "MOONCAKE_CONFIG_PATH": path},
+                    )
+    elif name == "lmcache":
+        from kvpool.benchmarks import lmcache_peer
+
+        with lmcache_peer.lmcache_mp_server(capacity_bytes=capacity_bytes) as peer:
+            yield SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env))
+    else:
+        raise ValueError(f"system {name!r}: expected one of {', '.join(SYSTEMS)}")
+
+
+def unsupported_setup(connector: str) -> SystemSetup:
+    """The server settings for a connector of `UNSUPPORTED` (expected to fail at start)."""
+    return SystemSetup(
+        {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": UNSUPPORTED[connector]}
+    )
+
+
+def _kvpool(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": KVPOOL_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _mooncake_env() -> dict[str, str]:
+    return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+
+
+def _free_port() -> int:
+    from kvpool.mooncake_master import free_port
+
+    return free_port()
+
+
+@contextlib.contextmanager
+def _mooncake_pool(capacity_bytes: int) -> Iterator[Any]:
+    """A master on 127.0.0.1 and one segment holder giving the pool `capacity_bytes`."""
+    from kvpool.mooncake_master import start_master
+    from kvpool.segment_holder import SegmentHolder
+
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    master = start_master()
+    try:
+        with SegmentHolder(master.address, capacity_bytes):
+            yield master
+    finally:
+        master.stop()
+
+
+@contextlib.contextmanager
+def _vllm_mooncake_config(master_address: str) -> Iterator[str]:
+    """The file vLLM's Mooncake store reads from MOONCAKE_CONFIG_PATH: a client that gives no memory."""
+    config = {
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": master_address,
+        "protocol": "tcp",
+        "device_name": "",
+        "mode": "embedded",
+        "global_segment_size": 0,
+        "local_buffer_size": 64 << 20,
+    }
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-mooncake-") as folder:
+        path = os.path.join(folder, "mooncake.json")
+        with open(path, "w") as sink:
+            json.dump(config, sink)
+        yield path

