@@ -114,11 +114,12 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"vLLM's `random`, {w['random_prompts']} prompts of {w['prefix_len'] + w['suffix_len']} tokens; "
         f"{w['output_len']} output tokens; {result['elapsed_s']:.0f} s in all.",
     ]
-    headers = ["system", "concurrency", "TTFT p50 ms", "TTFT p99 ms", "output tok/s", "local hit", "pool hit"]
+    headers = ["system", "concurrency", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "local hit"]
+    headers += ["pool hit", "preemptions"]
     for dataset, title in (("reuse", "Reuse workload"), ("random", "0%-reuse control")):
         rows = [
-            [r["system"], r["concurrency"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["output_tok_s"],
-             f"{r['local_hit_rate']:.0%}", f"{r['pool_hit_rate']:.0%}"]
+            [r["system"], r["concurrency"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["output_tok_s"],
+             f"{r['local_hit_rate']:.0%}", f"{r['pool_hit_rate']:.0%}", r["preemptions"]]
             for r in result["results"]
             if r["dataset"] == dataset
         ]  # fmt: skip

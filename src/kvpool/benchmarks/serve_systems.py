@@ -10,7 +10,7 @@ holder, LMCache's server) running until the context exits. Every pool gets the s
   its hit on a prompt sent again at once is the floor for any hit.
 * `example`: vLLM's `ExampleConnector` (whole requests as files in a temporary folder).
 * `vllm-mooncake`: vLLM's `MooncakeStoreConnector` on a real mooncake_master, its client giving no
-  memory (`global_segment_size: 0`) and a standalone segment holder giving the pool's.
+  memory (its `standalone-store` mode) and a standalone segment holder giving the pool's.
 * `lmcache`: vLLM's `LMCacheMPConnector` to LMCache's multi-process server (`lmcache_peer`).
 * `kvpool`: kvpool, embedded pool. `kvpool-mooncake`: kvpool on a real master and segment holder,
   laid out as for `vllm-mooncake`.
@@ -139,7 +139,7 @@ def _vllm_mooncake_config(master_address: str) -> Iterator[str]:
         "master_server_address": master_address,
         "protocol": "tcp",
         "device_name": "",
-        "mode": "embedded",
+        "mode": "standalone-store",  # vLLM's name for a client whose pool is another process's segment
         "global_segment_size": 0,
         "local_buffer_size": 64 << 20,
     }

@@ -197,6 +197,7 @@ def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine
         + "```",
     }
     relative = os.path.relpath(out_dir, report.parent)
+    blocks["verdicts"] = _verdict_lines(out_dir)
     for bench in benches:
         table = (out_dir / f"{bench.name}.md").read_text().strip()
         blocks[bench.name] = f"{table}\n\n![{bench.title}]({relative}/{bench.name}.png)"
@@ -205,11 +206,24 @@ def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine
     report.write_text(text)
 
 
+def _verdict_lines(out_dir: Path) -> str:
+    """Every target line of every bench whose tables are in `out_dir`, grouped by bench."""
+    parts = []
+    for bench in BENCHES:
+        table = out_dir / f"{bench.name}.md"
+        if not table.exists():
+            parts.append(f"**{bench.name}**: not run yet (`{bench.command}`)")
+            continue
+        lines = [line for line in table.read_text().splitlines() if re.search(r"\) (PASS|FAIL|n/a)$", line)]
+        parts.append(f"**{bench.name}**\n" + ("\n".join(lines) if lines else "- no target"))
+    return "\n\n".join(parts)
+
+
 def _title(name: str) -> str:
     for bench in BENCHES:
         if bench.name == name:
             return bench.title
-    return {"machine": "Machine", "commands": "Commands"}[name]
+    return {"machine": "Machine", "commands": "Commands", "verdicts": "Verdicts"}[name]
 
 
 def _replace_block(text: str, name: str, body: str, bench_title: str) -> str:
