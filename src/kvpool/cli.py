@@ -93,15 +93,28 @@ def bench_store_path(
     steps: Annotated[int, typer.Option(help="decode steps measured per cell")] = 64,
     contexts: Annotated[str, typer.Option(help="context lengths in tokens, comma separated")] = DEFAULT_CONTEXTS,
     block_sizes: Annotated[str, typer.Option(help="block sizes, comma separated")] = "16,128",
+    modes: Annotated[
+        str, typer.Option(help="incremental, incremental_mooncake, vllm, full, full_on_block (comma separated)")
+    ] = "incremental,incremental_mooncake,vllm,full,full_on_block",
+    cases: Annotated[str, typer.Option(help="full, hybrid, put_step2 (comma separated)")] = "full,hybrid,put_step2",
 ) -> None:
-    """CPU cost per engine step of the save path: incremental vs full re-check."""
+    """CPU cost per engine step of the save path: kvpool's incremental store vs vLLM's own Mooncake store
+    connector and the full re-check, in the same cells."""
     from kvpool.benchmarks import store_path
 
+    chosen = {}
+    for option, text, allowed in (("--modes", modes, store_path.MODES), ("--cases", cases, store_path.CASES)):
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        if not names or set(names) - set(allowed):
+            raise typer.BadParameter(f"{text!r}: expected some of {', '.join(allowed)}", param_hint=option)
+        chosen[option] = names
     result = store_path.run(
         contexts=_ints("--contexts", contexts),
         block_sizes=_ints("--block-sizes", block_sizes),
         requests=requests,
         steps=steps,
+        modes=chosen["--modes"],
+        cases=chosen["--cases"],
     )
     _emit(result, as_json, store_path.print_table, no_fail)
 
