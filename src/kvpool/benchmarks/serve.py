@@ -17,6 +17,13 @@ capacity), started in turn, never two at once (they would share the 2 cores). On
   TTFT of one output token, medians. A system's "full hit" is the last; the floor is `local`'s
   second send.
 
+Every server gets the same cores for its forward pass: vLLM's CPU build binds the model's threads to
+all cores but those it reserves for the engine's other processes: one without a connector, one more
+with any KV connector (for NIXL), and on a machine with as few cores as reserved it gives up the
+reservation. On 2 cores a server with a connector would run its forward on twice the cores of one
+without (misses measured 1.6x faster with a connector that does nothing), so every server here is
+started with `VLLM_CPU_NUM_OF_RESERVED_CPU=1`, vLLM's own reservation without a connector.
+
 The model (`llama-bench`: random weights, hidden 1024, 8 layers) is written locally with a
 word-level tokenizer beside it, so the client's prompt generators need no download.
 """
@@ -37,7 +44,7 @@ from typing import Any
 from kvpool.benchmarks import serve_systems
 from kvpool.benchmarks.serve_report import plot, summarize, to_markdown
 from kvpool.testing.models import default_model_dir, make_tiny_model
-from kvpool.testing.server import OpenAIServer, openai_server
+from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
 __all__ = ["ALL_ARGS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "steps", "to_markdown"]
 
@@ -156,7 +163,7 @@ def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Any
         openai_server(
             model,
             kv_transfer_config=setup.kv_transfer_config,
-            env=setup.env,
+            env={**setup.env, **SAME_CORES_ENV},
             extra_args=setup.extra_args,
             text_prompts=True,
             dtype=workload.dtype,
@@ -297,6 +304,7 @@ def _try_unsupported(connector: str, model: Path, workload: Workload, token_byte
         with openai_server(
             model,
             kv_transfer_config=setup.kv_transfer_config,
+            env=SAME_CORES_ENV,
             text_prompts=True,
             dtype=workload.dtype,
             block_size=workload.block_size,

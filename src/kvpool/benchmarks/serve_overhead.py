@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from kvpool.testing.models import default_model_dir, make_tiny_model
-from kvpool.testing.server import OpenAIServer, openai_server
+from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
 TARGET_MISS_RATIO = 1.05
 NOOP_CONNECTOR = {
@@ -47,6 +47,7 @@ def run(
         "block_size": block_size,
         "max_model_len": prompt_tokens + 2 * block_size,
         "kv_cache_memory_bytes": 1024 * TOKEN_BYTES,  # the engine's own cache holds two prompts
+        "env": SAME_CORES_ENV,  # the same cores for the forward with and without a connector
     }
     connector = {
         "kv_connector": "KVPoolConnector",

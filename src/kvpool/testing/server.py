@@ -24,6 +24,11 @@ from typing import Any
 
 from kvpool.mooncake_master import free_port
 
+# vLLM's CPU build binds the model's threads to every core but those it reserves for the engine's
+# other processes: one without a KV connector, one more with any connector; a machine with no more
+# cores than that drops the reservation, so on 2 cores a server with a connector runs its forward on
+# twice the cores of one without. Benches comparing servers with and without a connector set this.
+SAME_CORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 READY_TIMEOUT_S = 240.0  # 25-35 s for a tiny model on 2 cores; TP 2 and a busy machine take longer
 STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
