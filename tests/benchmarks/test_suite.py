@@ -1,0 +1,56 @@
+"""`kvpool bench all`: results, tables and plots for each bench, and a report whose hand-written
+readings survive a regeneration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvpool.benchmarks import suite
+from kvpool.cli import app
+
+
+def test_the_suite_writes_results_tables_plots_and_the_reports_generated_parts(tmp_path: Path) -> None:
+    report = tmp_path / "BENCHMARKS.md"
+    report.write_text(
+        "# Benchmarks\n\n## Lookup\n\nA reading written by a person.\n\n"
+        "<!-- generated:lookup -->\nold figures\n<!-- /generated:lookup -->\n\nMore reading.\n"
+    )
+    out = tmp_path / "results"
+    ticks: list[tuple[str, int]] = []
+    summary = suite.run(
+        suite.select(["lookup", "transfer-memory"]),
+        out_dir=out,
+        report=report,
+        tiny=True,
+        progress=lambda what, done: ticks.append((what, done)),
+    )
+    assert sum(done for _, done in ticks) == suite.units(suite.select(["lookup", "transfer-memory"]), True) == 2
+    for name in ("lookup", "transfer-memory"):
+        assert json.loads((out / f"{name}.json").read_text())
+        assert "|" in (out / f"{name}.md").read_text()
+        assert (out / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    text = report.read_text()
+    assert "A reading written by a person." in text and "More reading." in text
+    assert "old figures" not in text and "embedded lookup p99" in text
+    assert "![Lookup on the scheduler's thread](results/lookup.png)" in text
+    assert "<!-- generated:machine -->" in text and "cores" in text
+    assert "kvpool bench serve --json" in text  # every command, whichever benches ran
+    assert set(summary["verdicts"]) == {"lookup", "transfer-memory"}
+
+
+def test_an_unknown_bench_is_named_with_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"'nope'.*store-path"):
+        suite.select(["nope"])
+    outcome = CliRunner().invoke(app, ["bench", "all", "--only", "nope"])
+    assert outcome.exit_code == 2 and "nope" in outcome.output
+
+
+def test_every_bench_of_the_suite_has_its_report_functions_and_tiny_arguments() -> None:
+    for bench in suite.BENCHES:
+        module, reporter = bench.load()
+        assert callable(module.run) and callable(reporter.to_markdown) and callable(reporter.plot)
+        assert bench.arguments(tiny=True) != bench.arguments(tiny=False), bench.name
