@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Rows, Status
+from kvpool.backends.base import Rows, Status, _bounds
 from kvpool.buffers import as_u8
 from kvpool.device_copy import DeviceCopier, Event, InlineRuntime, Runtime, Staged, StagingFull, TorchCuda
 from kvpool.errors import LayoutError
@@ -76,6 +76,14 @@ class KVLayout:
         # the seal column of in-place values, one per direction: a save and a load never share a block
         self._save_seals = [np.zeros((num_blocks, SEAL_BYTES), np.uint8) for _ in self._sealers] if self.sealed else []
         self._load_seals = [np.zeros((num_blocks, SEAL_BYTES), np.uint8) for _ in self._sealers] if self.sealed else []
+        # groups whose blocks are rows of the very same arrays (vLLM's hybrid allocation gives each layer
+        # slot one tensor that every group's layer in it shares): their values travel as one `Rows`
+        self._row_groups = list(range(self.num_groups))
+        if not self.staged and not self.sealed:
+            first_of: dict[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], int] = {}
+            for group, views in enumerate(self._views):
+                signature = tuple((int(view.ctypes.data), view.shape, view.strides) for view in views)
+                self._row_groups[group] = first_of.setdefault(signature, group)
         self._copier: DeviceCopier | None = None
         if self.staged:
             if runtime is None:
@@ -85,6 +93,11 @@ class KVLayout:
     def chunk_nbytes(self, group: int) -> int:
         """The bytes of one block of the group in every layer (without its seal)."""
         return self._block_bytes[group]
+
+    def row_group(self, group: int) -> int:
+        """The lowest group whose `save_rows` address the same arrays as this group's: blocks of both can
+        go in one `save_rows` of it (the group itself unless it shares every array with an earlier one)."""
+        return self._row_groups[group]
 
     def stored_nbytes(self, group: int) -> int:
         """What the pool holds per chunk of the group: its bytes, then its seal when sealed."""
@@ -207,7 +220,7 @@ class KVLayout:
 
     def _ids(self, group: int, block_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        if len(ids) and (int(ids.min()) <= NULL_BLOCK_ID or int(ids.max()) >= self.num_blocks):
+        if len(ids) and ((bounds := _bounds(ids))[0] <= NULL_BLOCK_ID or bounds[1] >= self.num_blocks):
             bad = [int(i) for i in ids if not 0 < i < self.num_blocks]
             raise LayoutError(f"block ids {bad} of group {group} are outside 1..{self.num_blocks - 1}")
         return ids

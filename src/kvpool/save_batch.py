@@ -112,7 +112,12 @@ class SaveBatch:
             todo = [index for index, there in zip(todo, present) if not there]
         for offset in range(0, len(todo), batch_chunks):
             part = todo[offset : offset + batch_chunks]
-            statuses = per_group(items, part, lambda group, members: self._put(backend, layout, group, members, stats))
+            statuses = per_group(
+                items,
+                part,
+                lambda group, members: self._put(backend, layout, group, members, stats),
+                layout.row_group if self.captured is None else None,  # in place: groups sharing arrays together
+            )
             for index, status in zip(part, statuses):
                 results[index] = status
             if any(status is not Status.OK for status in statuses):
@@ -140,15 +145,24 @@ class SaveBatch:
 
 
 def per_group(
-    items: Sequence[ChunkRef], members: list[int], call: Callable[[int, list[int]], list[Status]]
+    items: Sequence[ChunkRef],
+    members: list[int],
+    call: Callable[[int, list[int]], list[Status]],
+    key: Callable[[int], int] | None = None,
 ) -> list[Status]:
-    """`call` once per KV cache group with that group's members, in order; the statuses in member order."""
-    first = items[members[0]].group if members else 0
-    if all(items[index].group == first for index in members):
-        return call(first, members)  # one group: the common case
+    """`call` once per KV cache group with that group's members, in order; the statuses in member order.
+    `key`: groups with the same key go together, to `call` with the key as their group."""
+    if not members:
+        return call(0, members)
+    groups = {items[index].group for index in members}
+    if key is not None:
+        groups = {key(group) for group in groups}
+    if len(groups) == 1:
+        return call(groups.pop(), members)  # one group: the common case
     by_group: dict[int, list[int]] = {}
     for position, index in enumerate(members):
-        by_group.setdefault(items[index].group, []).append(position)
+        group = items[index].group
+        by_group.setdefault(group if key is None else key(group), []).append(position)
     results = [Status.ERROR] * len(members)
     for group, positions in by_group.items():
         for position, status in zip(positions, call(group, [members[p] for p in positions])):

@@ -86,12 +86,16 @@ class Sender(Generic[B]):
                 return False
             self._buffered += batch.nbytes
             self._in_flight += 1
-            if not self._queued:  # the linger counts from the oldest batch held
+            first = not self._queued
+            if first:  # the linger counts from the oldest batch held
                 self._held_since = (self._step, time.monotonic())
             self._queued.append(batch)
             self._queued_chunks += len(batch)
             self._queued_bytes += batch.nbytes
-            self._wake.notify()
+            # a wake-up is a thread switch: only when the thread waits for a first batch (to start its
+            # linger), or when this batch ends the linger; a thread in its linger wakes when it ends anyway
+            if first or self._queued_chunks >= self.enough_chunks or self._queued_bytes >= self.enough_bytes:
+                self._wake.notify()
         return True
 
     def step(self) -> None:

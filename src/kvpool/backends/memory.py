@@ -47,9 +47,9 @@ class MemoryBackend:
     def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
-        pieces_of, sizes_of = _pieces(values, writable=False)  # bad buffers raise before any store
+        sizes, write = _writer(values)  # bad buffers raise before any store
         try:
-            targets = self._reserve(keys, [sum(sizes_of(index)) for index in range(len(keys))])
+            targets = self._reserve(keys, sizes)
         finally:
             self._announce()
         published: list[tuple[str, np.ndarray]] = []
@@ -59,11 +59,7 @@ class MemoryBackend:
                 if not isinstance(target, np.ndarray):
                     results.append(target)
                     continue
-                pieces = pieces_of(index)
-                if len(pieces) == 1:
-                    target[:] = pieces[0]
-                else:
-                    np.concatenate(pieces, out=target)
+                write(index, target)
                 published.append((key, target))
                 results.append(Status.OK)
         finally:
@@ -142,6 +138,9 @@ class MemoryBackend:
                 self._listeners.remove(listener)
 
     def _announce(self) -> None:
+        if not self._gone:
+            # read without the lock: whoever appends to it (under the lock) announces right after
+            return
         with self._lock:
             if not self._gone:
                 return
@@ -258,6 +257,7 @@ def drop_shared_memory_pools() -> None:
 
 
 _PiecesOf = Callable[[int], list[np.ndarray]]
+_Write = Callable[[int, np.ndarray], None]
 _SizesOf = Callable[[int], list[int]]
 
 
@@ -274,3 +274,39 @@ def _pieces(values: Values, writable: bool) -> tuple[_PiecesOf, _SizesOf]:
         raise TypeError("a destination piece is read-only")
     sizes = [[piece.size for piece in pieces] for pieces in prepared]
     return prepared.__getitem__, sizes.__getitem__
+
+
+def _writer(values: Values) -> tuple[list[int], _Write]:
+    """Each value's total size, and `write(i, target)`: value i's bytes into `target` (a 1-D uint8 array of
+    that size). Every buffer is checked up front. A `Rows` value is written piece by piece through one
+    memoryview: a decode step puts a chunk or two, where `np.concatenate`'s fixed cost would dominate."""
+    if isinstance(values, Rows):
+        arrays, ids = values.arrays, values.ids.tolist()
+        widths = values.row_bytes
+        sizes = [sum(widths)] * len(ids)
+        if len(arrays) == 1:
+            (array,) = arrays
+
+            def write_row(index: int, target: np.ndarray) -> None:
+                target[:] = array[ids[index]]
+
+            return sizes, write_row
+        columns = list(zip(arrays, widths))
+
+        def write_pieces(index: int, target: np.ndarray) -> None:
+            row, view, offset = ids[index], target.data, 0
+            for array, width in columns:
+                view[offset : offset + width] = array[row]
+                offset += width
+
+        return sizes, write_pieces
+    pieces_of, sizes_of = _pieces(values, writable=False)
+
+    def write(index: int, target: np.ndarray) -> None:
+        pieces = pieces_of(index)
+        if len(pieces) == 1:
+            target[:] = pieces[0]
+        else:
+            np.concatenate(pieces, out=target)
+
+    return [sum(sizes_of(index)) for index in range(len(values))], write
