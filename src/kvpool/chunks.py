@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from kvpool.errors import LayoutError
@@ -28,23 +28,26 @@ def chunk_range(
     block_size: int,
     put_step: int = 1,
     put_step_rank: int = 0,
-) -> Iterator[int]:
+) -> Iterable[int]:
     """Chunk ids from ceil(start / block) to min(num_hashes, ceil(token_len / block)), skipping masked
     chunks and chunks whose absolute id % put_step != put_step_rank (so a chunk's owner never
-    depends on where a save starts)."""
+    depends on where a save starts). Without a mask a plain `range`: a decode step's save takes a chunk
+    or two, where a generator's set-up is most of the cost."""
     if block_size <= 0:
         raise LayoutError(f"block_size={block_size}: expected a positive integer")
     if put_step <= 0 or not 0 <= put_step_rank < put_step:
         raise LayoutError(f"put_step_rank={put_step_rank} must lie in [0, put_step={put_step})")
     first = ceil_div(max(start, 0), block_size)
     end = min(num_hashes, ceil_div(token_len, block_size))
-    if chunk_mask is not None:
-        end = min(end, first + len(chunk_mask))
     owned_first = first + (put_step_rank - first) % put_step
     if chunk_mask is None:
-        yield from range(owned_first, end, put_step)
-        return
-    for chunk in range(owned_first, end, put_step):
+        return range(owned_first, end, put_step)
+    end = min(end, first + len(chunk_mask))
+    return _masked(range(owned_first, end, put_step), chunk_mask, first)
+
+
+def _masked(chunks: range, chunk_mask: list[bool], first: int) -> Iterator[int]:
+    for chunk in chunks:
         if chunk_mask[chunk - first]:
             yield chunk
 

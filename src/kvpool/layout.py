@@ -69,6 +69,7 @@ class KVLayout:
                 except TypeError as exc:  # not contiguous or not host memory: say which layer
                     raise LayoutError(f"layer {name!r}: {exc}") from exc
                 self._views[group].append(view)
+        self._view_tuples = [tuple(views) for views in self._views]
         self._block_bytes = [sum(_block_nbytes(v) for v in views) for views in self._views]
         self._storages = _distinct_storages(tensors.values())
         self._sealers = [Sealer(nbytes, integrity) for nbytes in self._block_bytes]
@@ -122,9 +123,10 @@ class KVLayout:
         ids = self._ids(group, block_ids)
         views = self._views[group]
         if not self.staged:
+            if not self.sealed and views:
+                # the views are 2-D uint8 arrays of num_blocks contiguous rows, ids in 1..num_blocks - 1
+                return Rows.checked(self._view_tuples[group], ids)
             rows = Rows(tuple(views), ids)
-            if not self.sealed:
-                return rows
             seals = self._save_seals[group]
             seals[ids] = self._sealers[group].seal_column(rows)
             return Rows((*views, seals), ids)
@@ -155,7 +157,8 @@ class KVLayout:
             return self.save_rows(group, block_ids)  # copied out of device memory, waited for
         ids = self._ids(group, block_ids)
         copies = tuple(np.take(view, ids, axis=0) for view in self._views[group])
-        rows = Rows(copies, np.arange(len(ids)))
+        # fresh copies of the layout's views, a row per id
+        rows = Rows.checked(copies, np.arange(len(ids))) if copies else Rows(copies, np.arange(len(ids)))
         return Rows((*copies, self._sealers[group].seal_column(rows)), rows.ids) if self.sealed else rows
 
     def _sealed_copy(self, group: int, host: np.ndarray) -> Rows:

@@ -250,6 +250,9 @@ class MaskCoordinator:
             )
         self.retention_interval = retention_interval
         self._dense_boundaries = Boundaries(self.lcm)
+        # store masks without a retention policy: the same for every request, so whether a group's is
+        # dense is known once
+        self._always_dense = [retention_interval is None and kind.dense(self._dense_boundaries) for kind in self.kinds]
 
     def align(self, tokens: int) -> int:
         return max(0, tokens) // self.lcm * self.lcm
@@ -270,6 +273,8 @@ class MaskCoordinator:
 
     def store_mask(self, group: int, token_len: int, start_token: int, num_prompt_tokens: int) -> Mask:
         """Bits for chunks ceil(start/B) .. ceil(token_len/B) - 1 of one group (relative to the start chunk)."""
+        if self._always_dense[group]:
+            return None
         kind = self.kinds[group]
         boundaries = self.boundaries(num_prompt_tokens)
         if kind.dense(boundaries):

@@ -19,6 +19,7 @@ log = logging.getLogger("kvpool.scheduler")
 Exists = Callable[[list[str]], list[bool]]
 Healthy = Callable[[], bool]
 
+QUIET_ALWAYS = 1 << 62  # above any token count
 DEFAULT_LOOKUP_TIMEOUT_S = 0.1  # a healthy pool answers a 32k-token lookup in 1-2 ms (Mooncake, loopback)
 
 
@@ -60,6 +61,19 @@ class _Tracker:
     save_limit: int = 1 << 62  # saves never go past this (the aligned prompt unless decode KV is saved)
     started: bool = False
     load: LoadSpec | None = None
+    # `quiet` is `computed_tokens < quiet_below`: kept by `_settle` after every change of the fields above
+    quiet_below: int = -QUIET_ALWAYS
+
+
+def _settle(tracker: _Tracker, lcm: int) -> None:
+    """Quiet (no delta needed) while started, no load armed, and saved up to the limit or below the next
+    aligned boundary: one threshold, so the per-step check of a running request is a single compare."""
+    if not tracker.started or tracker.load is not None:
+        tracker.quiet_below = -QUIET_ALWAYS
+    elif tracker.saved_tokens >= tracker.save_limit:
+        tracker.quiet_below = QUIET_ALWAYS
+    else:
+        tracker.quiet_below = tracker.saved_tokens + lcm
 
 
 class SchedulerCore:
@@ -226,6 +240,7 @@ class SchedulerCore:
         tracker = self._tracker(req_id, num_prompt_tokens)
         if external_tokens > 0:
             tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens, in_step)
+            _settle(tracker, self._lcm)
             self.stats.loads += 1
             self.stats.load_tokens += external_tokens
 
@@ -237,6 +252,7 @@ class SchedulerCore:
             tracker = self._trackers[req_id] = _Tracker(req_id, num_prompt_tokens, stored)
             if not self.config.save_decode:
                 tracker.save_limit = self.coordinator.align(num_prompt_tokens)
+            _settle(tracker, self._lcm)
         return tracker
 
     def request_delta(
@@ -286,6 +302,7 @@ class SchedulerCore:
         if needed > tracker.sent_hashes:
             delta.new_hashes = list(block_hashes[tracker.sent_hashes : needed])
             tracker.sent_hashes = needed
+        _settle(tracker, self._lcm)
         if delta.new_blocks is None and not delta.save_tokens and delta.load is None and not delta.num_prompt_tokens:
             return None
         return delta
@@ -295,12 +312,7 @@ class SchedulerCore:
         request at most `computed_tokens` computed: the per-step check of a running request is one dict
         read and two comparisons (most decode steps neither complete a chunk nor allocate a block)."""
         tracker = self._trackers.get(req_id)
-        return (
-            tracker is not None
-            and tracker.started
-            and tracker.load is None
-            and (tracker.saved_tokens >= tracker.save_limit or computed_tokens < tracker.saved_tokens + self._lcm)
-        )
+        return tracker is not None and computed_tokens < tracker.quiet_below
 
     def started(self, req_id: str) -> bool:
         """Whether the workers hold this request's table (its first delta has been built)."""
@@ -317,6 +329,7 @@ class SchedulerCore:
         tracker = self._trackers.get(req_id)
         if tracker is not None:
             tracker.saved_tokens = 0
+            _settle(tracker, self._lcm)
 
     def finish(self, req_id: str) -> None:
         """The request ended: forget it."""

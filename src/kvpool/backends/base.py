@@ -56,6 +56,15 @@ class Rows:
             if lo < 0 or hi >= rows:
                 raise ValueError(f"Rows ids {ids.tolist()}: every id must be in 0..{rows - 1}")
 
+    @classmethod
+    def checked(cls, arrays: tuple[np.ndarray, ...], ids: np.ndarray) -> Rows:
+        """Rows whose arrays and ids the caller has checked already (a layout's own views, ids it
+        bounds-checked against them): the checks of `__post_init__` are not repeated."""
+        rows = object.__new__(cls)
+        object.__setattr__(rows, "arrays", arrays)
+        object.__setattr__(rows, "ids", ids)
+        return rows
+
     def __len__(self) -> int:
         return len(self.ids)
 
