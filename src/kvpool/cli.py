@@ -241,10 +241,12 @@ def bench_all(
     as_json: AsJson = False,
     no_fail: NoFail = False,
     only: Annotated[str, typer.Option(help="benches to run, comma separated (default: all)")] = "",
-    out: Annotated[str, typer.Option(help="folder for the results")] = "benchmarks/results",
-    report: Annotated[str, typer.Option(help="the report whose generated parts are rewritten ('' for none)")] = (
-        "BENCHMARKS.md"
-    ),
+    out: Annotated[
+        str, typer.Option(help="folder for the results [default: benchmarks/results, with --tiny -tiny]")
+    ] = "",
+    report: Annotated[
+        str, typer.Option(help="the report to regenerate [default: BENCHMARKS.md; none with --tiny]")
+    ] = "",
     tiny: Annotated[bool, typer.Option("--tiny", help="tiny sizes: checks the suite runs, gives no figures")] = False,
 ) -> None:
     """Every bench of the report: results, tables and plots into --out, and BENCHMARKS.md's generated parts."""
@@ -265,8 +267,8 @@ def bench_all(
         task = bar.add_task("kvpool bench all", total=suite.units(benches, tiny))
         result = suite.run(
             benches,
-            out_dir=Path(out),
-            report=Path(report) if report else None,
+            out_dir=Path(out or ("benchmarks/results-tiny" if tiny else "benchmarks/results")),
+            report=Path(report) if report else (None if tiny else Path("BENCHMARKS.md")),
             tiny=tiny,
             progress=lambda what, done: bar.update(task, advance=done, description=what),
         )

@@ -36,8 +36,9 @@ def test_every_system_serves_every_request_of_every_run(result: dict[str, Any]) 
     assert not result["failed"]
     assert len(result["results"]) == len(serve_systems.SYSTEMS) * 2 * len(workload.concurrencies)
     for row in result["results"]:
-        wanted = workload.num_prefixes * workload.prompts_per_prefix if row["dataset"] == "reuse" else 4
-        assert (row["completed"], row["failed"]) == (wanted, 0), row
+        reuse = workload.num_prefixes * workload.prompts_per_prefix
+        wanted = reuse if row["dataset"] == "reuse" else workload.random_prompts
+        assert (row["sent"], row["completed"], row["failed"]) == (wanted, wanted, 0), row
         assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
 
 
@@ -47,22 +48,25 @@ def test_hits_come_only_from_where_they_can(result: dict[str, Any]) -> None:
             assert row["local_hit_rate"] == row["pool_hit_rate"] == 0
         if row["system"] not in CONNECTORS:
             assert row["pool_hit_rate"] == 0
-        if row["dataset"] == "random" and row["preemptions"] == 0:  # the control reuses nothing
-            assert row["local_hit_rate"] == row["pool_hit_rate"] == 0
-    for system in serve_systems.KVPOOL_SYSTEMS:  # peers may hit less at this size: the probe checks them
-        assert max(r["pool_hit_rate"] for r in rows(result, system, "reuse")) > 0, system
+        if row["dataset"] == "random":  # the control reuses nothing (its seeds are chosen so)
+            assert row["local_hit_rate"] == row["pool_hit_rate"] == 0, row
+    # the embedded pool stores within the step; the others store in the background and, at this size, a
+    # prompt's repeat may come before its store (or the engine's own cache still has it): the probe checks them
+    assert max(r["pool_hit_rate"] for r in rows(result, "kvpool", "reuse")) > 0
 
 
 def test_the_probe_pushes_prompts_out_of_the_engine_and_only_a_pool_brings_them_back(
     result: dict[str, Any],
 ) -> None:
     probe = result["probe"]
-    hit = 256  # the prefix's whole blocks, and LMCache's one whole chunk
+    workload = serve.TINY_ARGS["workload"]
+    whole_blocks = (workload.prompt_len - 1) // workload.block_size * workload.block_size  # the last token computes
     assert probe["none"]["again_cached_tokens"] == probe["none"]["evicted_cached_tokens"] == 0
-    assert probe["local"]["again_cached_tokens"] == hit
-    assert probe["local"]["evicted_cached_tokens"] == 0  # the fillers really evicted it
+    assert probe["local"]["again_cached_tokens"] == whole_blocks
+    assert probe["local"]["evicted_cached_tokens"] == probe["local"]["evicted_pool_tokens"] == 0  # really evicted
     for system in CONNECTORS:
-        assert probe[system]["evicted_cached_tokens"] == hit, system
+        wanted = 256 if system == "lmcache" else whole_blocks  # LMCache: whole 256-token chunks
+        assert probe[system]["evicted_cached_tokens"] == probe[system]["evicted_pool_tokens"] == wanted, system
 
 
 def test_the_summary_judges_each_target_on_measured_ratios(result: dict[str, Any]) -> None:
@@ -89,7 +93,27 @@ def test_a_missing_figure_fails_its_target_instead_of_passing() -> None:
         "workload": {"concurrencies": [1]},
         "systems": ["kvpool", "example"],
         "results": [
-            {"system": "kvpool", "dataset": "reuse", "concurrency": 1, "ttft_p50_ms": 10.0, "output_tok_s": 5.0}
+            {
+                "system": "kvpool",
+                "dataset": "reuse",
+                "concurrency": 1,
+                "ttft_p50_ms": 10.0,
+                "output_tok_s": 5.0,
+                "sent": 4,
+                "completed": 4,
+                "failed": 0,
+            },
+            # every request failed: vLLM's client reports a TTFT of 0, which must not pass for a fast run
+            {
+                "system": "example",
+                "dataset": "reuse",
+                "concurrency": 1,
+                "ttft_p50_ms": 0.0,
+                "output_tok_s": 0.0,
+                "sent": 4,
+                "completed": 0,
+                "failed": 4,
+            },
         ],
         "probe": {},
         "failed": {},
@@ -97,7 +121,7 @@ def test_a_missing_figure_fails_its_target_instead_of_passing() -> None:
     summary = serve_report.summarize(measured)
     entry = summary["per_system"]["kvpool"]
     assert entry["reuse_ttft_p50_vs_none"]["pass"] is None  # no `none` run: not measured
-    assert entry["vs_peers"]["example"]["worst"] is None
+    assert entry["vs_peers"]["example"]["worst"] is None  # its run failed every request: not measured
     assert summary["pass"] is False
 
 

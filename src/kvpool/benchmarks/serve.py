@@ -36,7 +36,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 __all__ = ["ALL_ARGS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "steps", "to_markdown"]
 
 DATASETS = ("reuse", "random")
+POOL_HITS = "vllm:external_prefix_cache_hits_total"  # prompt tokens a connector supplied
 START_TIMEOUT_S = 300.0
 UNSUPPORTED_TIMEOUT_S = 120.0
 
@@ -57,7 +58,7 @@ UNSUPPORTED_TIMEOUT_S = 120.0
 class Workload:
     model_kind: str = "llama-bench"
     prefix_len: int = 512
-    suffix_len: int = 32
+    suffix_len: int = 128  # a unique tail of whole blocks: a connector keyed on whole prompts cannot hit
     output_len: int = 8
     num_prefixes: int = 12
     prompts_per_prefix: int = 4
@@ -80,7 +81,7 @@ TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, 
     "workload": Workload(
         model_kind="llama-bench-tiny",
         prefix_len=256,  # LMCache stores whole 256-token chunks only
-        suffix_len=32,
+        suffix_len=128,
         output_len=4,
         num_prefixes=3,
         prompts_per_prefix=2,
@@ -119,23 +120,34 @@ def run(
     model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
     token_bytes = _token_bytes(model, workload.dtype)
     started = time.perf_counter()
+    seeds = _seeds(model, workload)
     rows: list[dict[str, Any]] = []
     probes: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
+    per_system = steps([""], workload, False)
     for name in systems:
+        ticked = 0
+
+        def done(what: str, name: str = name) -> None:
+            nonlocal ticked
+            ticked += 1
+            tick(f"{name}: {what}")
+
         try:
             with _served(name, model, workload, token_bytes) as server:
-                tick(f"{name}: started")
+                done("started")
                 _warm(server, workload)
                 for concurrency in workload.concurrencies:
                     for dataset in DATASETS:
-                        rows.append(_client_run(server, model, workload, name, dataset, concurrency))
-                        tick(f"{name}: {dataset} at concurrency {concurrency}")
+                        seed = seeds[dataset, concurrency]
+                        rows.append(_client_run(server, model, workload, name, dataset, concurrency, seed))
+                        done(f"{dataset} at concurrency {concurrency}")
                 probes[name] = _probe(server, workload)
-                tick(f"{name}: hit probe")
+                done("hit probe")
         except Exception as exc:  # a system that cannot run is reported, the others still are
             failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
-            tick(f"{name}: failed")
+            for _ in range(per_system - ticked):
+                done("failed")
     unsupported: dict[str, str] = {}
     if try_unsupported:
         for connector in serve_systems.UNSUPPORTED:
@@ -156,8 +168,39 @@ def run(
     return result
 
 
+def _seeds(model: Path, workload: Workload) -> dict[tuple[str, int], int]:
+    """The client's seed per run: fresh prompts per run, the same on every system. vLLM's `random`
+    dataset makes each prompt a run of consecutive token ids from a random start, so two prompts with
+    the same start are the same prompt: the control's seeds are chosen so that no prompt of any of its
+    runs shares its first block with another (the control must reuse nothing)."""
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets.datasets import RandomDataset
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(model))
+    block = workload.block_size
+    seeds = {("reuse", c): 1000 + c for c in workload.concurrencies}
+    seen: set[tuple[int, ...]] = set()
+    for concurrency in workload.concurrencies:
+        for seed in range(2000 + 100 * concurrency, 2100 + 100 * concurrency):
+            prompts = RandomDataset(random_seed=seed).sample(
+                tokenizer=tokenizer,
+                num_requests=workload.random_prompts,
+                input_len=workload.prompt_len,
+                output_len=workload.output_len,
+                range_ratio=0.0,
+            )
+            heads = {tuple(tokenizer.encode(p.prompt, add_special_tokens=False)[:block]) for p in prompts}
+            if len(heads) == len(prompts) and not heads & seen:
+                seen |= heads
+                seeds["random", concurrency] = seed
+                break
+        else:
+            raise RuntimeError(f"no seed gives {workload.random_prompts} distinct random prompts")
+    return seeds
+
+
 @contextlib.contextmanager
-def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Any:
+def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Iterator[OpenAIServer]:
     with (
         serve_systems.start(name, workload.pool_bytes) as setup,
         openai_server(
@@ -185,8 +228,9 @@ def _token_bytes(model: Path, dtype: str) -> int:
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize
 
 
-def _client_args(server: OpenAIServer, model: Path, workload: Workload, dataset: str, concurrency: int) -> list[str]:
-    seed = (1000 if dataset == "reuse" else 2000) + concurrency  # fresh prompts per run, the same per system
+def _client_args(
+    server: OpenAIServer, model: Path, workload: Workload, dataset: str, concurrency: int, seed: int
+) -> list[str]:
     argv = [
         "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions",
         "--model", str(model), "--served-model-name", "model", "--max-concurrency", str(concurrency),
@@ -212,7 +256,7 @@ def _client_args(server: OpenAIServer, model: Path, workload: Workload, dataset:
 
 
 def _client_run(
-    server: OpenAIServer, model: Path, workload: Workload, system: str, dataset: str, concurrency: int
+    server: OpenAIServer, model: Path, workload: Workload, system: str, dataset: str, concurrency: int, seed: int
 ) -> dict[str, Any]:
     """One run of vLLM's serving benchmark client against `server`, with the hit rates of the run."""
     from vllm.benchmarks import serve as vllm_serve
@@ -220,7 +264,7 @@ def _client_run(
 
     parser = FlexibleArgumentParser()
     vllm_serve.add_cli_args(parser)
-    args = parser.parse_args(_client_args(server, model, workload, dataset, concurrency))
+    args = parser.parse_args(_client_args(server, model, workload, dataset, concurrency, seed))
     before = server.metrics()
     with contextlib.redirect_stdout(io.StringIO()):
         measured = vllm_serve.main(args)
@@ -234,6 +278,8 @@ def _client_run(
         "system": system,
         "dataset": dataset,
         "concurrency": concurrency,
+        "seed": seed,
+        "sent": args.num_prompts,
         "completed": int(measured.get("completed") or 0),
         "failed": int(measured.get("failed") or 0),
         "ttft_p50_ms": round(float(measured["median_ttft_ms"]), 2),
@@ -242,8 +288,7 @@ def _client_run(
         "output_tok_s": round(float(measured["output_throughput"]), 2),
         "duration_s": round(float(measured.get("duration") or 0.0), 2),
         "local_hit_rate": round(delta("vllm:prefix_cache_hits_total") / prompt_tokens, 4),
-        "pool_hit_rate": round(delta("vllm:external_prefix_cache_hits_total") / prompt_tokens, 4),
-        # a preempted request recomputes its prompt, or loads it from a pool: hits even at 0% reuse
+        "pool_hit_rate": round(delta(POOL_HITS) / prompt_tokens, 4),
         "preemptions": int(delta("vllm:num_preemptions_total")),
     }
 
@@ -264,7 +309,7 @@ def _probe(server: OpenAIServer, workload: Workload) -> dict[str, Any]:
     filler_len = min(workload.max_model_len - 8, 2 * workload.prompt_len)
     fillers = -(-(workload.engine_cache_tokens + workload.prompt_len) // filler_len)
     times: dict[str, list[float]] = {"miss": [], "again": [], "evicted": []}
-    cached: dict[str, list[int]] = {"again": [], "evicted": []}
+    cached: dict[str, list[int]] = {"again": [], "evicted": [], "evicted_from_pool": []}
     for _ in range(workload.probe_prompts):
         tokens = prompt(workload.prompt_len)
         times["miss"].append(_ttft(server, tokens)[0])
@@ -273,9 +318,11 @@ def _probe(server: OpenAIServer, workload: Workload) -> dict[str, Any]:
         cached["again"].append(hit)
         for _ in range(fillers):  # push `tokens` out of the engine's own cache
             _ttft(server, prompt(filler_len))
+        before = server.metrics().get(POOL_HITS, 0.0)
         seconds, hit = _ttft(server, tokens)
         times["evicted"].append(seconds)
         cached["evicted"].append(hit)
+        cached["evicted_from_pool"].append(int(server.metrics().get(POOL_HITS, 0.0) - before))
     return {
         "prompts": workload.probe_prompts,
         "prompt_tokens": workload.prompt_len,
@@ -284,6 +331,7 @@ def _probe(server: OpenAIServer, workload: Workload) -> dict[str, Any]:
         "again_cached_tokens": min(cached["again"]),
         "evicted_ms": _median_ms(times["evicted"]),
         "evicted_cached_tokens": min(cached["evicted"]),
+        "evicted_pool_tokens": min(cached["evicted_from_pool"]),  # of those, the tokens a connector loaded
     }
 
 
