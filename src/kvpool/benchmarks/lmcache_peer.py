@@ -60,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.mooncake_master import free_port, port_open
+from kvpool.testing.server import stop_process_group
 
 __all__ = [
     "LMCACHE_VERSION",
@@ -280,16 +280,7 @@ class Peer:
         A process started from a non-interactive shell's background job inherits SIGINT ignored;
         then SIGTERM goes instead, which the server maps onto the same clean shutdown (about 4 s).
         """
-        if self.process.poll() is None:
-            polite = signal.SIGTERM if _ignores_sigint(self.process.pid) else signal.SIGINT
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, polite)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+        stop_process_group(self.process, timeout_s)
         with contextlib.suppress(OSError):
             self.log_path.unlink()
 
@@ -302,17 +293,6 @@ class Peer:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"the LMCache MP server was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-
-def _ignores_sigint(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    for line in status.splitlines():
-        if line.startswith("SigIgn:"):
-            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
-    return False
 
 
 def connector_config(host: str, port: int) -> dict[str, Any]:

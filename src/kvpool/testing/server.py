@@ -86,15 +86,7 @@ class OpenAIServer:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGINT to the server's process group, then SIGKILL if it lingers; the log file goes."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGINT)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+        stop_process_group(self.process, timeout_s)
         with contextlib.suppress(OSError):
             self.log_path.unlink()
 
@@ -122,6 +114,33 @@ class OpenAIServer:
                     return
             time.sleep(0.5)
         raise TimeoutError(f"the server was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+
+def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Stop a child started in its own session, and everything it spawned: SIGINT (SIGTERM where the
+    child inherited SIGINT ignored, as from a shell's background job), then SIGKILL after `timeout_s`."""
+    if process.poll() is not None:
+        return
+    polite = signal.SIGTERM if _ignores_sigint(process.pid) else signal.SIGINT
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, polite)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def _ignores_sigint(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
 
 
 @contextlib.contextmanager
