@@ -134,15 +134,10 @@ def _mooncake_pool(capacity_bytes: int) -> Iterator[Any]:
 @contextlib.contextmanager
 def _vllm_mooncake_config(master_address: str) -> Iterator[str]:
     """The file vLLM's Mooncake store reads from MOONCAKE_CONFIG_PATH: a client that gives no memory."""
-    config = {
-        "metadata_server": "P2PHANDSHAKE",
-        "master_server_address": master_address,
-        "protocol": "tcp",
-        "device_name": "",
-        "mode": "standalone-store",  # vLLM's name for a client whose pool is another process's segment
-        "global_segment_size": 0,
-        "local_buffer_size": 64 << 20,
-    }
+    from kvpool.benchmarks.vllm_store_reference import store_config
+
+    # `standalone-store`: vLLM's name for a client whose pool is another process's segment
+    config = store_config(master_address, "standalone-store", 0, 64 << 20)
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-mooncake-") as folder:
         path = os.path.join(folder, "mooncake.json")
         with open(path, "w") as sink:

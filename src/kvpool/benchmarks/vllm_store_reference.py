@@ -88,18 +88,23 @@ def transfer_config(lookup_port: int) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def mooncake_config_file(master_address: str) -> Iterator[str]:
-    """The store config vLLM's worker reads from MOONCAKE_CONFIG_PATH, set for the duration."""
-    config = {
+def store_config(master_address: str, mode: str, global_segment_size: int, local_buffer_size: int) -> dict[str, Any]:
+    """What vLLM's Mooncake store reads from MOONCAKE_CONFIG_PATH, over TCP to `master_address`."""
+    return {
         "metadata_server": "P2PHANDSHAKE",
         "master_server_address": master_address,
         "protocol": "tcp",
         "device_name": "",
-        "mode": "embedded",
-        "global_segment_size": SEGMENT_BYTES,
-        "local_buffer_size": LOCAL_BUFFER_BYTES,
+        "mode": mode,
+        "global_segment_size": global_segment_size,
+        "local_buffer_size": local_buffer_size,
     }
+
+
+@contextlib.contextmanager
+def mooncake_config_file(master_address: str) -> Iterator[str]:
+    """The store config vLLM's worker reads from MOONCAKE_CONFIG_PATH, set for the duration."""
+    config = store_config(master_address, "embedded", SEGMENT_BYTES, LOCAL_BUFFER_BYTES)
     previous = os.environ.get("MOONCAKE_CONFIG_PATH")
     with tempfile.TemporaryDirectory(prefix="kvpool-vllm-mooncake-") as folder:
         path = os.path.join(folder, "mooncake.json")
