@@ -108,16 +108,12 @@ class EngineOracle(RuleBasedStateMachine):
         sync_loads=st.booleans(),
         runner=st.sampled_from(["v1", "v2"]),
         reset_reaches_worker=st.booleans(),
-        in_step_loads=st.booleans(),
     )
-    def setup(
-        self, sync_saves: bool, sync_loads: bool, runner: str, reset_reaches_worker: bool, in_step_loads: bool
-    ) -> None:
+    def setup(self, sync_saves: bool, sync_loads: bool, runner: str, reset_reaches_worker: bool) -> None:
         self.runner = runner
         self.reset_reaches_worker = reset_reaches_worker  # the worker told at once, or at its next step
         self.coord = MaskCoordinator(list(self.kinds))
-        # vLLM's sync loads: the request runs in the step that loads it (as kvpool does for one full group)
-        self.in_step = in_step_loads and sync_loads and self.coord.resumes_at_failed_chunk
+        self.in_step = False  # every kvpool load is async: the engine waits for it
         self.spaces = [
             KeySpace(LayoutFingerprint("oracle", "u8", kind.block_size, "numpy", group_id=g))
             for g, kind in enumerate(self.kinds)
@@ -270,7 +266,7 @@ class EngineOracle(RuleBasedStateMachine):
                 break  # vLLM admits a request only when its blocks fit
             new_blocks += blocks
             if hit and self.in_step:
-                self.scheduler.on_allocated(req.rid, req.prompt, 0, hit, in_step=True)
+                self.scheduler.on_allocated(req.rid, req.prompt, 0, hit)
                 self._delta(deltas, req, 0)  # the load, then the request runs in this very step
                 req.status, req.hit, req.computed, req.loaded_in_step = "running", hit, hit, True
                 budget -= n

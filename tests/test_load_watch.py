@@ -16,7 +16,7 @@ def test_targets_are_the_blocks_of_the_loaded_range_in_every_group() -> None:
 
 
 def test_an_async_load_waits_and_holds_its_blocks_until_reported_finished() -> None:
-    watch = LoadWatch([16, 32], in_step=False)
+    watch = LoadWatch([16, 32])
     assert watch.offer(64, 16) == (48, True)
     assert watch.offer(16, 16) == (0, False)
     assert watch.offer(16, 32) == (0, False)  # the engine computed more than the pool holds
@@ -32,14 +32,14 @@ def test_an_async_load_waits_and_holds_its_blocks_until_reported_finished() -> N
 
 
 def test_a_preempted_request_holds_no_blocks() -> None:
-    watch = LoadWatch([16], in_step=False)
+    watch = LoadWatch([16])
     watch.allocated("a")
     watch.preempted("a")
     assert not watch.finish("a")
 
 
 def test_a_failure_names_the_requests_whose_load_writes_an_invalid_block() -> None:
-    watch = LoadWatch([16, 32], in_step=False)
+    watch = LoadWatch([16, 32])
     watch.allocated("a")
     watch.started("a", TABLE, LoadSpec(16, 32))  # blocks 11 and 21
     watch.allocated("b")
@@ -52,13 +52,21 @@ def test_a_failure_names_the_requests_whose_load_writes_an_invalid_block() -> No
     assert watch.absorb({11}, set(), []) == []
 
 
-def test_an_in_step_load_never_waits_and_is_forgotten_after_its_steps_output() -> None:
-    watch = LoadWatch([16], in_step=True)
-    assert watch.offer(64, 16) == (48, False)
+def test_every_hit_is_an_async_load() -> None:
+    """The engine waits for every load: it never computes on, caches or shares blocks a load writes
+    before the load is reported (so a failed chunk never reaches an output, another request or a save)."""
+    for hit, computed in ((64, 0), (64, 16), (16, 0)):
+        assert LoadWatch.offer(hit, computed) == (hit - computed, True)
+    assert LoadWatch.offer(16, 16) == (0, False)
+
+
+def test_a_failure_reported_with_its_finish_still_names_the_request() -> None:
+    """Outputs come in step order; a load is forgotten only by the output that reports it finished."""
+    watch = LoadWatch([16])
     watch.allocated("a")
-    assert not watch.finish("a")  # nothing held: the engine computes on the blocks in the load's step
-    watch.started("a", ([5, 6, 7],), LoadSpec(0, 48, in_step=True))
-    assert watch.absorb({6}, set(), []) == ["a"]
-    watch.started("b", ([8],), LoadSpec(0, 16, in_step=True))
-    assert watch.absorb(set(), set(), []) == []
-    assert watch.absorb({8}, {"b"}, []) == []  # a later output is about other loads
+    watch.started("a", ([5, 6, 7],), LoadSpec(0, 48))
+    watch.allocated("b")
+    watch.started("b", ([8],), LoadSpec(0, 16))
+    assert watch.absorb(set(), set(), ["b"]) == []
+    assert watch.absorb({6}, set(), ["a"]) == ["a"]
+    assert watch.absorb({6, 8}, set(), []) == []  # both reported: later outputs name other loads

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.backends.base import Status, Value
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
-from kvpool.metadata import LoadSpec, RequestDelta
+from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
 from kvpool.worker import WorkerConfig, WorkerCore
 from worker_fakes import POISON, FakeModel, RecordingBackend, simple, start
 
@@ -264,43 +264,58 @@ def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[W
     assert expected  # the pool did hold the chunks: only the hang failed the load
 
 
-def test_an_in_step_load_that_fails_skips_that_steps_save_and_is_not_reported_finished(
-    closing: list[WorkerCore],
+@pytest.mark.parametrize("sync_loads", [True, False])
+def test_a_load_with_a_missing_chunk_is_reported_finished_with_its_failed_blocks(
+    closing: list[WorkerCore], sync_loads: bool
 ) -> None:
-    """A sync load runs in the step that computes on its blocks; when a chunk is missing, that step's
-    forward attended to an unwritten block, so nothing this step computes for the request may be saved.
-    The engine learns of the failure through invalid blocks alone: no finished_recving for it."""
-    model, backend, engine, hashes, _ = saved_prefix(closing)
+    """Every load is one the engine waits for: it is reported finished whatever failed, in the same
+    output as (or after) the failed blocks, so the engine never computes on a block nobody wrote."""
+    model, backend, engine, hashes, _ = saved_prefix(closing, config=WorkerConfig(sync_loads=sync_loads))
     backend.remove([model.key(0, hashes, 5)])
-    tables = model.tables(160)
-    first = RequestDelta("r", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=160, stored_tokens=128)
-    first.load = LoadSpec(0, 128, in_step=True)
-    engine.apply([first, RequestDelta("r", save_tokens=160, computed_before=128)])
-    assert engine.take_finished_loads() == set()
+    tables = load_request(engine, model, "r", hashes, 0, 128)
     assert failed_blocks(engine) == {tables[0][5]}
-    put_before = len(backend.put_keys)
-    engine.save([RequestDelta("r", save_tokens=160, computed_before=128)])  # the same step's save
+    assert engine.take_finished_loads() == {"r"}
+    engine.save([RequestDelta("r", save_tokens=144, computed_before=80)])  # the recompute from chunk 5
     assert engine.drain(5)
-    assert len(backend.put_keys) == put_before  # nothing computed on the unwritten block is stored
-    engine.apply([])  # the next step recomputed from 80
-    engine.save([RequestDelta("r", save_tokens=160, computed_before=80)])
-    assert engine.drain(5)
-    assert backend.exists_keys[-3:] == [model.key(0, hashes, c) for c in (5, 6, 7)]
-    assert backend.put_keys[put_before:] == [model.key(0, hashes, 5)]  # 6 and 7 are still in the pool
+    assert model.key(0, hashes, 5) in backend.put_keys
 
 
-def test_a_step_whose_in_step_load_failed_and_that_saves_nothing_leaves_the_recompute_to_be_saved(
-    closing: list[WorkerCore],
+def test_a_load_for_a_request_the_worker_holds_no_table_of_is_reported_failed(closing: list[WorkerCore]) -> None:
+    """Never silently: a dropped load is a request the engine waits for forever."""
+    _, _, engine, _, _ = saved_prefix(closing)
+    engine.apply([RequestDelta("stranger", load=LoadSpec(0, 128))])  # no first delta: no table here
+    assert engine.take_finished_loads() == {"stranger"}
+    assert engine.take_load_failures().failed_requests == {"stranger"}
+
+
+def test_a_load_the_scheduler_could_not_arm_is_reported_finished_and_failed(closing: list[WorkerCore]) -> None:
+    _, _, engine, _, _ = saved_prefix(closing)
+    engine.handle_step(StepMetadata(failed_loads=["lost"]))
+    assert engine.take_finished_loads() == {"lost"}
+    failures = engine.take_load_failures()
+    assert failures.failed_requests == {"lost"} and failures.invalid_blocks == set()
+
+
+def test_an_exception_while_storing_ends_every_batch_so_no_request_is_kept(
+    closing: list[WorkerCore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The failing step often has nothing to save (the hit covered every full chunk), so the adapter
-    never calls save in it; the step that recomputes must still store what the pool lost."""
-    model, backend, engine, hashes, _ = saved_prefix(closing)
-    backend.remove([model.key(0, hashes, 5)])
-    first = RequestDelta("r", new_hashes=hashes, new_blocks=model.tables(160), num_prompt_tokens=160, stored_tokens=128)
-    first.load = LoadSpec(0, 128, in_step=True)
-    engine.apply([first])  # no save in this step
-    put_before = len(backend.put_keys)
-    engine.apply([])
-    engine.save([RequestDelta("r", save_tokens=128, computed_before=0)])  # the recompute of the prompt
+    """Whatever raises between a batch's capture and its end, its ranges end: the request's state goes
+    once it finishes, and its next save retries the range."""
+    model, backend, engine = simple(closing, config=WorkerConfig(sync_saves=False))
+    hashes = model.hashes("p", 64)
+    tables = model.tables(64)
+    model.fill("p", tables, hashes)
+    start(engine, "r", hashes, tables)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("scripted failure after the put")
+
+    monkeypatch.setattr(engine, "_track_stored", broken)
+    engine.save_request("r", 64)
     assert engine.drain(5)
-    assert backend.put_keys[put_before:] == [model.key(0, hashes, 5)]
+    monkeypatch.undo()
+    engine.save_request("r", 64)  # re-planned: the failed range was ended, not left in flight
+    assert engine.drain(5)
+    assert engine.stored_tokens("r") == 64
+    engine.finish(["r"])
+    assert engine.active_requests() == 0

@@ -109,7 +109,6 @@ def test_a_remote_pool_is_asked_through_the_schedulers_own_zero_segment_client()
     assert pool.made == ("mooncake", {**config.backend_options(), "global_segment_size": 0})
     assert role.backend is pool and role.index is None
     assert role.core.config.lookup_async  # lookups leave the process
-    assert not role.loads_in_step
     assert role.core.longest_hit(hashes_for("p", 8), 129) == 0
     assert len(pool.exists_keys) == 8  # one key per chunk, asked of the pool
     role.close()
@@ -123,15 +122,6 @@ def test_lookup_async_may_be_set_either_way(backend: str, lookup_async: bool) ->
     role = scheduler_role(config, plan_for(config), make_backend=remote_pools()[1])
     assert role.core.config.lookup_async is lookup_async
     role.close()
-
-
-def test_loads_run_in_step_only_from_an_embedded_pool_into_one_full_attention_group() -> None:
-    embedded, remote = KVPoolConfig(), KVPoolConfig.from_dict(MOONCAKE)
-    make = remote_pools()[1]
-    assert scheduler_role(embedded, plan_for(embedded)).loads_in_step
-    assert not scheduler_role(embedded, plan_for(embedded, FULL, SLIDING)).loads_in_step
-    assert not scheduler_role(embedded, plan_for(embedded, SLIDING)).loads_in_step
-    assert not scheduler_role(remote, plan_for(remote), make_backend=make).loads_in_step
 
 
 def test_the_scheduler_passes_its_settings_to_the_core() -> None:

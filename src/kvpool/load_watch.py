@@ -2,16 +2,19 @@
 the engine reports by block id names its request, and whether a finished request's blocks are still
 being written.
 
+Every load is async (the engine waits steps for it): vLLM then neither caches the loading request's
+blocks nor runs a forward on them until every rank reported the load finished, and it caches only the
+prefix that loaded. A failed chunk so never reaches an output, another request's local hit or a save,
+in any configuration (async scheduling, TP, PP, either model runner).
+
 Invariants:
-- An async load (the engine waits steps for it) holds its request's blocks from allocation until the
-  engine reports it finished or preempts the request: only then may the engine free them, so `finish`
-  answers True (keep the blocks) exactly while one is in flight.
+- A load holds its request's blocks from allocation until the engine reports it finished or
+  preempts the request: only then may the engine free them, so `finish` answers True (keep the
+  blocks) exactly while one is in flight.
 - A load fails its request when the engine names the request failed or names invalid any block the
   load writes. Block 0 is the engine's null block, shared by every request: it names none.
-- An in-step load (the engine computes on its blocks in the step that loads them) reports its
-  failures in that step's output or never, so it is forgotten after the next output.
-- A request's loads are either all in-step or all async, as decided once for the engine
-  (`roles.scheduler_role`): the watch keeps them apart only to forget in-step ones sooner.
+- Outputs arrive in step order, and a load is forgotten only once an output reports it finished:
+  a failure reported with (or before) its finish always names its request.
 """
 
 from __future__ import annotations
@@ -37,48 +40,46 @@ def load_targets(
 
 
 class LoadWatch:
-    """One per scheduler. `in_step`: loads run in the step that computes on them (see module doc)."""
+    """One per scheduler."""
 
-    def __init__(self, block_sizes: Sequence[int], *, in_step: bool) -> None:
+    def __init__(self, block_sizes: Sequence[int]) -> None:
         self.block_sizes = list(block_sizes)
-        self.in_step = in_step
-        self._async: dict[str, set[int]] = {}  # request → blocks its pending async load writes
-        self._in_step: dict[str, set[int]] = {}  # the same for loads the engine computes on at once
+        self._loads: dict[str, set[int]] = {}  # request → blocks its pending load writes
 
-    def offer(self, hit_tokens: int, computed_tokens: int) -> tuple[int, bool]:
+    @staticmethod
+    def offer(hit_tokens: int, computed_tokens: int) -> tuple[int, bool]:
         """What to answer the engine for a lookup hit: the tokens to load beyond what it computed
-        itself, and whether it must wait for them (an async load)."""
+        itself, and whether it must wait for them (always, when there is something to load)."""
         external = max(0, hit_tokens - computed_tokens)
-        return external, external > 0 and not self.in_step
+        return external, external > 0
 
     def allocated(self, req_id: str) -> None:
-        """The engine allocated blocks for a load of this request: an async one holds them from now."""
-        if not self.in_step:
-            self._async[req_id] = set()
+        """The engine allocated blocks for a load of this request: they are held from now."""
+        self._loads[req_id] = set()
 
     def started(self, req_id: str, table: Sequence[Sequence[int]], load: LoadSpec) -> None:
         """The workers are told to start `load` into the request's `table` (per group, its block ids)."""
-        targets = load_targets(table, self.block_sizes, load.start_tokens, load.hit_tokens)
-        (self._in_step if load.in_step else self._async)[req_id] = targets
+        self._loads[req_id] = load_targets(table, self.block_sizes, load.start_tokens, load.hit_tokens)
 
     def preempted(self, req_id: str) -> None:
-        self._async.pop(req_id, None)
+        self._loads.pop(req_id, None)
 
     def absorb(self, invalid_blocks: set[int], failed_requests: set[str], finished: Iterable[str]) -> list[str]:
         """One step's output from the workers: the requests whose load failed (in the order they were
-        watched). Loads in `finished` release their blocks; in-step loads are forgotten."""
+        watched). Loads in `finished` release their blocks."""
         failed: list[str] = []
         if invalid_blocks or failed_requests:
-            for loads in (self._async, self._in_step):
-                for req_id, targets in loads.items():
-                    if req_id in failed_requests or not targets.isdisjoint(invalid_blocks):
-                        failed.append(req_id)
+            for req_id, targets in self._loads.items():
+                if req_id in failed_requests or not targets.isdisjoint(invalid_blocks):
+                    failed.append(req_id)
         for req_id in finished:
-            self._async.pop(req_id, None)
-        self._in_step.clear()
+            self._loads.pop(req_id, None)
         return failed
 
     def finish(self, req_id: str) -> bool:
-        """The request ended: True when an async load still writes its blocks (the engine keeps them
-        until that load is reported finished)."""
-        return self._async.pop(req_id, None) is not None
+        """The request ended: True when a load still writes its blocks (the engine keeps them until
+        that load is reported finished)."""
+        return self._loads.pop(req_id, None) is not None
+
+    def loading(self, req_id: str) -> bool:
+        return req_id in self._loads

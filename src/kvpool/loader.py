@@ -63,7 +63,7 @@ class Loader:
         self._pending = 0
         self._finished: set[str] = set()
         self._failed: dict[str, list[ChunkRef]] = {}
-        self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef], bool, Event | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef], Event | None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._calls: ThreadPoolExecutor | None = None
         if not sync:
@@ -71,11 +71,8 @@ class Loader:
             self._thread = threading.Thread(target=self._run, name="kvpool-loader", daemon=True)
             self._thread.start()
 
-    def start(
-        self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef], *, report_finished: bool = True
-    ) -> None:
-        """Load `items`; `missing` (chunks without a key) fail at once. `report_finished` False: the
-        engine does not wait for this load (it runs now, in the step that computes on it)."""
+    def start(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> None:
+        """Load `items`; `missing` (chunks without a key) fail at once. Reported finished either way."""
         with self._lock:
             self._pending += 1
         self.stats.loads += 1
@@ -83,18 +80,20 @@ class Loader:
         # device memory: the load's copy runs after everything the engine queued until now (Model
         # Runner V2 zeroing these very blocks, for one), whichever thread runs it
         after = layout.engine_point() if layout is not None and items else None
-        if self.sync or not report_finished:
-            self._execute(req_id, items, missing, report_finished, after)
+        if self.sync:
+            self._execute(req_id, items, missing, after)
         elif not self.backend.healthy():
             # fail now, in the engine's thread: never queue behind a call stuck in the pool's client
             self._execute(req_id, [], items + missing)
         else:
-            self._queue.put((req_id, items, missing, True, after))
+            self._queue.put((req_id, items, missing, after))
 
-    def failed_in_step(self, req_id: str) -> bool:
-        """Did the load just run for `req_id` (in this thread) leave chunks unloaded?"""
+    def fail(self, req_id: str) -> None:
+        """A load the engine waits for that cannot run (nothing to load it into): reported finished and
+        failed as a whole, so the engine recomputes the request instead of waiting for it forever."""
         with self._lock:
-            return req_id in self._failed
+            self._failed[req_id] = []
+            self._finished.add(req_id)
 
     def _run(self) -> None:
         while True:
@@ -108,7 +107,6 @@ class Loader:
         req_id: str,
         items: list[ChunkRef],
         missing: list[ChunkRef],
-        report_finished: bool = True,
         after: Event | None = None,
     ) -> None:
         failed: list[ChunkRef] = list(items)
@@ -125,8 +123,7 @@ class Loader:
                 with self._idle:
                     if failed:
                         self._failed.setdefault(req_id, []).extend(failed)
-                    if report_finished:
-                        self._finished.add(req_id)
+                    self._finished.add(req_id)
                     self._pending -= 1
                     self._idle.notify_all()
 
@@ -209,6 +206,7 @@ class Loader:
         return finished
 
     def take_failed(self) -> dict[str, list[ChunkRef]]:
+        """Per request, the chunks that did not load since the last call; none listed: the whole load."""
         if not self._failed:
             return {}
         with self._lock:

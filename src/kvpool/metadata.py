@@ -11,9 +11,6 @@ class LoadSpec:
 
     start_tokens: int
     hit_tokens: int
-    # the engine computes on the loaded blocks in this very step (vLLM: a sync load, reported through
-    # invalid blocks only); otherwise it waits until the load is reported finished
-    in_step: bool = False
 
 
 @dataclass
@@ -34,3 +31,6 @@ class StepMetadata:
     requests: list[RequestDelta] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     reset_epoch: int = 0  # pool resets so far: a worker that sees it grow drops every earlier save
+    # loads the engine waits for that the scheduler could not arm (no block table): every worker
+    # reports them finished and failed, so the engine recomputes instead of waiting forever
+    failed_loads: list[str] = field(default_factory=list)

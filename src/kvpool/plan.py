@@ -41,6 +41,7 @@ class ModelPlan:
     pp_rank: int = 0
     pp_size: int = 1
     shared_pool: bool = True  # False: each rank has a pool of its own (embedded), which it must fill itself
+    drop_last_hit_block: bool = False  # a pool hit ends one boundary earlier, as the engine's own hits do
 
     @property
     def shard(self) -> int:
@@ -89,6 +90,7 @@ class EngineFacts:
     parallel: Parallelism = Parallelism()
     hash_block_size: int | None = None  # the engine's block-hash granularity; None: the smallest block size
     retention_interval: int | None = None  # the engine's own; kvpool's "engine" setting takes it
+    drop_last_hit_block: bool = False  # EAGLE / MTP drafting: the engine drops a prefix hit's last block
 
 
 def build_plan(engine: EngineFacts, config: KVPoolConfig) -> ModelPlan:
@@ -109,4 +111,5 @@ def build_plan(engine: EngineFacts, config: KVPoolConfig) -> ModelPlan:
         pp_rank=parallel.rank // parallel.tp_size,
         pp_size=parallel.pp_size,
         shared_pool=config.backend != "memory",  # each embedded pool belongs to one rank
+        drop_last_hit_block=engine.drop_last_hit_block,
     )

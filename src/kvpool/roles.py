@@ -8,10 +8,9 @@ Invariants:
 - Embedded pools live in the workers, one per rank. The scheduler answers lookups from an index of
   them fed by the workers' reports (a chunk counts once every replica of its shard holds it), on its
   own thread and synchronously by default; it never calls `exists`.
-- A load runs in the step that computes on its blocks (the engine waits no steps) only from an
-  embedded pool, and only when a failed chunk can be recomputed on its own (one full-attention group:
-  the engine truncates at the first bad block and drops that step's output). Any other model loads
-  async, whose failures recompute the whole request before it runs.
+- Every load is async: the engine waits for it and never computes on, caches or shares its blocks
+  before every rank reported it (see `load_watch`). From an embedded pool the copy itself runs on the
+  engine's thread (a memcpy) and is reported finished in the same step.
 - An in-process (embedded) pool is put and loaded on the engine's thread, where the put is the copy;
   a remote one through host copies on the sender's and the loader's threads.
 """
@@ -44,7 +43,6 @@ class SchedulerRole:
     core: SchedulerCore
     index: PoolIndex | None  # embedded pools: what they hold
     backend: Backend | None  # remote pool: the scheduler's own client
-    loads_in_step: bool
 
     def reset(self) -> bool:
         """Lookups miss from now on; the workers empty their pools at their next step, before its loads
@@ -101,11 +99,12 @@ def scheduler_role(
             save_decode=config.save_decode,
             lookup_async=remote if config.lookup_async is None else config.lookup_async,
             lookup_timeout_s=config.lookup_timeout_s,
+            drop_last_hit_block=plan.drop_last_hit_block,
         ),
         healthy=healthy,
         index=index,
     )
-    return SchedulerRole(core, index, backend, loads_in_step=not remote and plan.coordinator.resumes_at_failed_chunk)
+    return SchedulerRole(core, index, backend)
 
 
 def worker_config(config: KVPoolConfig) -> WorkerConfig:

@@ -48,7 +48,6 @@ class _RequestState:
     finished: bool = False
     dropped: bool = False  # preempted or retired: a later delta starts a new state
     frozen: bool = False  # alive across a pool reset: its KV mixes old and new, never saved again
-    unsaved_step: int = -1  # the step whose in-step load failed: its forward computed on unwritten blocks
 
 
 class SavePlanner:
@@ -93,8 +92,8 @@ class SavePlanner:
 
     # ---- saves --------------------------------------------------------------------------------
 
-    def plan(self, deltas: Iterable[RequestDelta], step: int) -> tuple[list[SaveRange], list[ChunkRef]]:
-        """The new chunks of every request in `deltas` at engine step `step`, marks advanced past them.
+    def plan(self, deltas: Iterable[RequestDelta]) -> tuple[list[SaveRange], list[ChunkRef]]:
+        """The new chunks of every request in `deltas`, marks advanced past them.
         Every range returned is in flight until `end_ranges` gets its outcome."""
         ranges: list[SaveRange] = []
         items: list[ChunkRef] = []
@@ -105,8 +104,6 @@ class SavePlanner:
             state = self._states.get(delta.req_id)
             if state is None or state.dropped or state.finished or state.frozen:
                 continue
-            if state.unsaved_step == step:
-                continue  # the engine recomputes this step's work in a later step, whose save covers it
             state.computed_before = max(state.computed_before, delta.computed_before)
             hashed = len(state.hashes) * coord.hash_block_size
             end = coord.align(min(delta.save_tokens, hashed))
@@ -193,12 +190,6 @@ class SavePlanner:
                     continue
                 items.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk])))
         return items, missing
-
-    def load_failed_in_step(self, req_id: str, step: int) -> None:
-        """Step `step` computes on blocks its in-step load did not fill: that step's work is not saved."""
-        state = self._states.get(req_id)
-        if state is not None:
-            state.unsaved_step = step
 
     def load_failed(self, req_id: str, failed: Sequence[ChunkRef]) -> None:
         """The chunks from the first of `failed` (not empty) on are not in the pool: save them again."""

@@ -29,6 +29,9 @@ class SchedulerConfig:
     lookup_async: bool = False  # answer "ask again" while a lookup runs on a thread
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S  # an async lookup older than this counts as a miss
     lookup_cache_s: float = 2.0  # how long a lookup result is reused for the same request
+    # EAGLE / MTP drafters: the drafter's KV at a hit's last position depends on the next token, which no
+    # key names, so a hit ends one aligned boundary earlier (vLLM drops a local hit's last block alike)
+    drop_last_hit_block: bool = False
 
 
 @dataclass
@@ -167,6 +170,13 @@ class SchedulerCore:
             return 0
 
     def longest_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
+        hit = self._longest_hit(block_hashes, num_tokens)
+        if self.config.drop_last_hit_block and hit > 0:
+            # one whole LCM step: at least the last block of every group, as vLLM drops for a local hit
+            hit = self.coordinator.align(hit - 1)
+        return hit
+
+    def _longest_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> int:
         coord = self.coordinator
         max_tokens = min(num_tokens - 1, len(block_hashes) * coord.hash_block_size)
         aligned = coord.align(max_tokens)
@@ -233,13 +243,11 @@ class SchedulerCore:
 
     # ---- request lifecycle --------------------------------------------------------------------
 
-    def on_allocated(
-        self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int, *, in_step: bool = False
-    ) -> None:
+    def on_allocated(self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int) -> None:
         """The engine allocated blocks; `external_tokens` > 0 arms a load of [local, local + external)."""
         tracker = self._tracker(req_id, num_prompt_tokens)
         if external_tokens > 0:
-            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens, in_step)
+            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens)
             _settle(tracker, self._lcm)
             self.stats.loads += 1
             self.stats.load_tokens += external_tokens

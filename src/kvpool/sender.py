@@ -37,6 +37,7 @@ class Batch(Protocol):
 
 
 B = TypeVar("B", bound=Batch)
+T = TypeVar("T")
 
 
 class Sender(Generic[B]):
@@ -175,13 +176,20 @@ class Sender(Generic[B]):
             try:
                 for batch in taken:
                     if batch.seq <= through:
-                        self._drop(batch)
+                        self._safely(self._drop, batch)
                 if kept:
-                    self._store(kept)
-            except Exception:
-                log.exception("save batches %s failed", [batch.seq for batch in kept])
+                    self._safely(self._store, kept)
             finally:
                 self._done(taken)
+
+    @staticmethod
+    def _safely(call: Callable[[T], None], arg: T) -> None:
+        """One call for a batch: what it raises is logged, and the batches after it still get theirs
+        (each accepted batch reaches store or drop once, or its ranges stay in flight forever)."""
+        try:
+            call(arg)
+        except Exception:
+            log.exception("the save sender's %s failed", getattr(call, "__name__", "call"))
 
     def _done(self, batches: Sequence[B]) -> None:
         with self._lock:

@@ -112,7 +112,6 @@ class WorkerCore:
         self._puts_done = threading.Condition(self._lock)
         self._planner = SavePlanner(coordinator, self.placements, self.stats)
         self._seq = 0
-        self._steps = 0  # engine steps applied (one `apply` each)
         self._epoch = 0
         self._putting_epoch: int | None = None  # epoch of the batch inside the backend's put, if any
         self._pressure = False
@@ -157,21 +156,23 @@ class WorkerCore:
     # ---- per-step entry points -------------------------------------------------------------
 
     def handle_step(self, step: StepMetadata) -> None:
-        """Before the step: forget preempted requests; empty the pool if the scheduler reset it."""
+        """Before the step: forget preempted requests; empty the pool if the scheduler reset it; report
+        the loads the scheduler could not arm as failed."""
         if step.preempted:
             self.preempt(step.preempted)
         if step.reset_epoch > self._epoch:
             self.reset(step.reset_epoch)  # not reached directly by the scheduler
+        for req_id in step.failed_loads:
+            self.loader.fail(req_id)
 
     def apply(self, deltas: Iterable[RequestDelta]) -> None:
         """Once per engine step, before its forward: record new hashes and blocks, and start the loads
         the step asks for."""
-        self._steps += 1
         for delta in deltas:
             with self._lock:
-                tracked = self._planner.update(delta)
-            if tracked and delta.load is not None:
-                self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens, in_step=delta.load.in_step)
+                self._planner.update(delta)
+            if delta.load is not None:  # a request without a state here is reported failed by `load`
+                self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens)
 
     def save(self, deltas: Iterable[RequestDelta]) -> None:
         """After the step's forward: save every request whose saveable length grew, as one batch.
@@ -205,7 +206,7 @@ class WorkerCore:
 
     def _plan_batch(self, deltas: Iterable[RequestDelta]) -> SaveBatch | None:
         """Under the lock: the step's new ranges as this epoch's next batch (None: nothing new)."""
-        ranges, items = self._planner.plan(deltas, self._steps)
+        ranges, items = self._planner.plan(deltas)
         if not ranges:
             return None
         self._seq += 1
@@ -266,17 +267,19 @@ class WorkerCore:
                 self._end_batch(batch, [Status.ERROR] * len(batch.items))
         if not current:
             return
-        whole = current[0] if len(current) == 1 else SaveBatch.merge(current)
-        results = [Status.ERROR] * len(whole.items)
+        results = [Status.ERROR] * sum(len(batch.items) for batch in current)
         try:
+            whole = current[0] if len(current) == 1 else SaveBatch.merge(current)
             results = self._put_batch(whole)
+            self._track_stored(whole.items, results)
         except Exception:
-            log.exception("save of %d chunks failed", len(whole.items))
-        self._track_stored(whole.items, results)
-        first = 0
-        for batch in current:
-            self._end_batch(batch, results[first : first + len(batch.items)])
-            first += len(batch.items)
+            log.exception("save of %d chunks failed", len(results))
+        finally:
+            # every batch ends, whatever raised: a range left in flight would keep its request forever
+            first = 0
+            for batch in current:
+                self._end_batch(batch, results[first : first + len(batch.items)])
+                first += len(batch.items)
 
     def _track_stored(self, items: list[ChunkRef], results: list[Status]) -> None:
         if self.tracker is not None:
@@ -334,18 +337,17 @@ class WorkerCore:
 
     # ---- loads --------------------------------------------------------------------------------
 
-    def load(self, req_id: str, start_tokens: int, hit_tokens: int, *, in_step: bool = False) -> None:
-        """Load the chunks of a hit of `hit_tokens` from `start_tokens` on into the request's blocks.
-        `in_step`: the engine computes on them in this step (a sync load, never reported finished)."""
+    def load(self, req_id: str, start_tokens: int, hit_tokens: int) -> None:
+        """Load the chunks of a hit of `hit_tokens` from `start_tokens` on into the request's blocks; the
+        engine waits until `take_finished_loads` names the request."""
         with self._lock:
             chunks = self._planner.load_chunks(req_id, start_tokens, hit_tokens)
         if chunks is None:
+            log.error("request %s: a load for a request this worker holds no table of; reported failed", req_id)
+            self.loader.fail(req_id)
             return
         items, missing = chunks
-        self.loader.start(req_id, items, missing, report_finished=not in_step)
-        if in_step and self.loader.failed_in_step(req_id):
-            with self._lock:
-                self._planner.load_failed_in_step(req_id, self._steps)
+        self.loader.start(req_id, items, missing)
 
     def _load_done(self, req_id: str, failed: list[ChunkRef]) -> None:
         """A load ended; the chunks from the first failed one on are not in the pool: save them again."""
@@ -365,10 +367,14 @@ class WorkerCore:
         failed = self.loader.take_failed()
         if not failed:
             return LoadFailures(set(), set())
-        if self.coordinator.resumes_at_failed_chunk:
-            blocks = {item.block_id for items in failed.values() for item in items}
-            return LoadFailures(blocks, set())
-        return LoadFailures(set(), set(failed))
+        blocks: set[int] = set()
+        requests: set[str] = set()
+        for req_id, items in failed.items():
+            if items and self.coordinator.resumes_at_failed_chunk:
+                blocks.update(item.block_id for item in items)
+            else:
+                requests.add(req_id)
+        return LoadFailures(blocks, requests)
 
     def active_requests(self) -> int:
         with self._lock:

@@ -126,8 +126,9 @@ class Rig:
         delta = RequestDelta(
             f"r{self._requests}", new_hashes=hashes, new_blocks=([*blocks],), num_prompt_tokens=tokens + 1
         )
-        delta.load = LoadSpec(0, tokens, in_step=True)
+        delta.load = LoadSpec(0, tokens)
         self.engine.apply([delta])
+        self.engine.take_finished_loads()  # loads are reported finished, as the engine waits for them
 
     def synchronize(self) -> None:
         if self.device == "cuda":

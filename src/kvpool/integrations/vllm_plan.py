@@ -99,7 +99,16 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
         ),
         hash_block_size=kv_cache_config.hash_block_size,
         retention_interval=kv_cache_config.prefix_cache_retention_interval,
+        drop_last_hit_block=drops_eagle_block(vllm_config),
     )
+
+
+def drops_eagle_block(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM's scheduler drops the last block of a prefix hit for an EAGLE / MTP drafter (its
+    `use_eagle_block_drop`): the drafter's KV there depends on the next token, which no key names."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drop = getattr(speculative, "use_eagle_block_drop", None)
+    return bool(drop()) if callable(drop) else False
 
 
 def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVPoolConfig) -> ModelPlan:
