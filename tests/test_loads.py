@@ -301,7 +301,7 @@ def test_an_exception_while_storing_ends_every_batch_so_no_request_is_kept(
 ) -> None:
     """Whatever raises between a batch's capture and its end, its ranges end: the request's state goes
     once it finishes, and its next save retries the range."""
-    model, backend, engine = simple(closing, config=WorkerConfig(sync_saves=False))
+    model, _, engine = simple(closing, config=WorkerConfig(sync_saves=False))
     hashes = model.hashes("p", 64)
     tables = model.tables(64)
     model.fill("p", tables, hashes)

@@ -245,6 +245,75 @@ def test_a_chunk_lost_between_lookup_and_load_never_leaves_a_window_unfilled(mod
     assert_same_greedy(baseline, loaded)
 
 
+def test_a_chunk_lost_from_one_load_never_reaches_a_request_sharing_its_prefix(model_dir, pool_name, monkeypatch):
+    """Issue 21, route 2: two prompts share a 128-token prefix and arrive in one `generate` call; the
+    pool holds the first prompt's 256 tokens and loses chunk 1 of its load. Had that load run in the
+    step (vLLM's sync load), vLLM would cache its blocks at allocation, the second prompt would take a
+    local hit on them in the same schedule() pass, compute its chunks 2 and 3 on the unwritten block,
+    and kvpool would store them. Every load is async, so vLLM caches a loaded block only once the load
+    is reported, and only the prefix that loaded: both outputs, and a later engine's load of the second
+    prompt (its chunks 2 and 3 come from the pool), equal a run without kvpool."""
+    model = model_dir("llama")
+    shared = random_prompts(1, 2 * BLOCK, seed=21)[0]
+    first, second = (shared + tail for tail in random_prompts(2, 300 - 2 * BLOCK, seed=22))
+    with engine(model, block_size=BLOCK) as llm:
+        baseline = generate_greedy(llm, [first, second], MAX_TOKENS)
+    config = connector_config(pool_name)
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        _generate_with_stats(llm, [first])  # the pool holds the first prompt's chunks 0-3
+    pool = shared_memory_pool(pool_name, 256 << 20)
+    get_into = pool.get_into
+    lost: list[str] = []
+
+    def lose_one_chunk_of_the_first_load(keys, dests):
+        if not lost:
+            lost.append(keys[1])
+            pool.remove([keys[1]])  # evicted after the lookup found it
+        return get_into(keys, dests)
+
+    monkeypatch.setattr(pool, "get_into", lose_one_chunk_of_the_first_load)
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        both, stats, _, live_workers, live_scheduler = _generate_with_stats(llm, [first, second])
+    monkeypatch.undo()
+    assert lost and stats.chunks_load_failed >= 1 and stats.chunks_loaded > 0
+    assert (live_workers, live_scheduler) == (0, 0), "per-request state leaked"
+    assert_same_greedy(baseline, both)
+    assert pool.exists(lost) == [True], "the recompute stored the lost chunk again"
+    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+        again, later, _, _, _ = _generate_with_stats(llm, [second])
+    assert again[0].num_cached_tokens == 4 * BLOCK and later.chunks_load_failed == 0
+    assert_same_greedy([baseline[1]], again)
+
+
+def test_reset_with_running_requests_while_a_load_is_awaited(model_dir, pool_name):
+    """vLLM's `reset_prefix_cache(reset_running_requests=True)` raises while a request waiting for its KV
+    load holds blocks (vLLM 0.32: "not supported yet"). Every pool hit is such a load for one engine
+    step, between the step that loads it and the next `schedule()`: a reset landing there is refused
+    loudly, the engine keeps serving, and the same reset succeeds a step later, outputs unchanged."""
+    from vllm import SamplingParams
+
+    prompts = random_prompts(2, 300, seed=23)
+    with engine(model_dir("llama"), block_size=BLOCK, kv_transfer_config=connector_config(pool_name)) as llm:
+        baseline, _, _, _, _ = _generate_with_stats(llm, prompts)
+        assert llm.reset_prefix_cache()  # only the pool has the prefixes now
+        core = llm.llm_engine
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"awaited-{i}", {"prompt_token_ids": prompt}, params)
+        core.step()  # allocates both loads and runs them; the requests wait for the next schedule()
+        with pytest.raises(RuntimeError, match="waiting for remote KV"):
+            llm.reset_prefix_cache(reset_running_requests=True)
+        outputs: dict[str, list[int]] = {}
+        for _ in range(200):
+            for out in core.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+            if len(outputs) == len(prompts):
+                break
+        assert llm.reset_prefix_cache(reset_running_requests=True)
+    assert [outputs[f"awaited-{i}"] for i in range(len(prompts))] == [r.token_ids for r in baseline]
+
+
 @pytest.mark.parametrize("retention", ["engine", None])
 def test_explain_says_what_the_engine_then_loads_on_a_hybrid_model(retention, model_dir, pool_name):
     """On a hybrid model (full + sliding window), the explanation of each prompt, taken on the engine that

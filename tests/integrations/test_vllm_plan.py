@@ -174,3 +174,22 @@ def test_worker_reports_pickle_and_aggregate_over_ranks() -> None:
     assert isinstance(combined, KVPoolWorkerMetadata)
     assert [report.rank for report in combined.reports] == [0, 1, 2, 3]
     assert [len(meta.reports) for meta in ranks] == [1, 1, 1, 1]  # aggregating builds a new object
+
+
+def test_a_pool_hit_drops_its_last_block_exactly_when_vllm_drops_a_local_hits() -> None:
+    """vLLM's scheduler drops a prefix hit's last block when `use_eagle_block_drop()` (EAGLE / MTP
+    drafting, unless disabled): the plan reads the same switch, and no speculative config means none."""
+    from vllm.config import SpeculativeConfig
+
+    from kvpool.integrations.vllm_plan import drops_eagle_block
+
+    def speculative(method: str, disabled: bool = False) -> SpeculativeConfig:
+        spec = SpeculativeConfig.__new__(SpeculativeConfig)  # its validation needs a model to draft with
+        spec.method, spec.disable_eagle_block_drop = method, disabled  # type: ignore[assignment]
+        return spec
+
+    assert not drops_eagle_block(SimpleNamespace(speculative_config=None))
+    assert drops_eagle_block(SimpleNamespace(speculative_config=speculative("eagle3")))
+    assert drops_eagle_block(SimpleNamespace(speculative_config=speculative("mtp")))
+    assert not drops_eagle_block(SimpleNamespace(speculative_config=speculative("eagle", disabled=True)))
+    assert not drops_eagle_block(SimpleNamespace(speculative_config=speculative("ngram")))
