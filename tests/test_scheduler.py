@@ -148,6 +148,43 @@ def test_async_lookup_answers_none_then_the_hit() -> None:
         sched.close()
 
 
+def test_an_async_lookup_a_healthy_pool_answers_within_the_wait_is_answered_in_the_same_call() -> None:
+    """A lookup that leaves the process runs on a thread; the call that starts it waits `lookup_wait_s`
+    for it, so a healthy pool's request is admitted in that scheduler step, not the next."""
+    pool = Pool()
+    kind = FullAttention(16)
+    config = SchedulerConfig(lookup_async=True, lookup_wait_s=1.0)
+    sched = SchedulerCore(MaskCoordinator([kind]), [[space(kind)]], pool.exists, config)
+    try:
+        hashes = hashes_for("p", 8)
+        pool.store(sched.namespaces[0], hashes, range(6))
+        assert sched.lookup("a", hashes, 200) == 96
+        assert sched.lookup("b", hashes_for("q", 8), 200) == 0
+    finally:
+        sched.close()
+
+
+def test_a_stuck_lookup_costs_the_call_at_most_its_wait() -> None:
+    gate = threading.Event()
+
+    def stuck(keys: list[str]) -> list[bool]:
+        gate.wait(5)
+        return [True] * len(keys)
+
+    kind = FullAttention(16)
+    config = SchedulerConfig(lookup_async=True, lookup_wait_s=0.02, lookup_timeout_s=0.05)
+    sched = SchedulerCore(MaskCoordinator([kind]), [[space(kind)]], stuck, config)
+    try:
+        began = time.monotonic()
+        assert sched.lookup("a", hashes_for("p", 4), 100) is None
+        assert time.monotonic() - began < 1.0  # the wait, not the stuck call
+        time.sleep(0.1)
+        assert sched.lookup("a", hashes_for("p", 4), 100) == 0  # past the deadline: a miss
+    finally:
+        gate.set()
+        sched.close()
+
+
 def test_async_lookup_timeout_is_a_miss() -> None:
     gate = threading.Event()
 

@@ -8,7 +8,7 @@ from typing import Any
 from kvpool.backends.factory import BACKEND_NAMES
 from kvpool.errors import ConfigError
 from kvpool.integrity import Integrity
-from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S
+from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_LOOKUP_WAIT_MS
 from kvpool.sizes import parse_size
 
 __all__ = ["ConfigError", "KVPoolConfig", "parse_size"]
@@ -27,6 +27,7 @@ class KVPoolConfig:
     model_id: str = ""
     lookup_async: bool | None = None  # None: async when lookups leave the process
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
     check_exists_before_put: bool | None = None  # None: for the embedded pool only (see exists_before_put)
     put_batch_chunks: int = 64
     save_buffer_bytes: int = 1 << 30
@@ -94,6 +95,14 @@ class KVPoolConfig:
             or self.lookup_timeout_s <= 0
         ):
             raise ConfigError("lookup_timeout_s", self.lookup_timeout_s, "a positive number of seconds")
+        if (
+            isinstance(self.lookup_wait_ms, bool)
+            or not isinstance(self.lookup_wait_ms, (int, float))
+            or not 0 <= self.lookup_wait_ms <= self.lookup_timeout_s * 1000
+        ):
+            raise ConfigError(
+                "lookup_wait_ms", self.lookup_wait_ms, "milliseconds from 0 up to lookup_timeout_s (0: never wait)"
+            )
         self.save_buffer_bytes = parse_size("save_buffer_bytes", self.save_buffer_bytes)
         if (
             isinstance(self.put_batch_chunks, bool)

@@ -99,6 +99,7 @@ def scheduler_role(
             save_decode=config.save_decode,
             lookup_async=remote if config.lookup_async is None else config.lookup_async,
             lookup_timeout_s=config.lookup_timeout_s,
+            lookup_wait_s=config.lookup_wait_ms / 1000,
             drop_last_hit_block=plan.drop_last_hit_block,
         ),
         healthy=healthy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvpool.errors import LayoutError
@@ -21,6 +21,9 @@ Healthy = Callable[[], bool]
 
 QUIET_ALWAYS = 1 << 62  # above any token count
 DEFAULT_LOOKUP_TIMEOUT_S = 0.1  # a healthy pool answers a 32k-token lookup in 1-2 ms (Mooncake, loopback)
+# an async lookup is waited for this long in the call that starts it: a healthy pool answers within it, so
+# the request is admitted in that very scheduler step (vLLM's own Mooncake connector looks up in the call)
+DEFAULT_LOOKUP_WAIT_MS = 5.0
 
 
 @dataclass
@@ -29,6 +32,7 @@ class SchedulerConfig:
     lookup_async: bool = False  # answer "ask again" while a lookup runs on a thread
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S  # an async lookup older than this counts as a miss
     lookup_cache_s: float = 2.0  # how long a lookup result is reused for the same request
+    lookup_wait_s: float = 0.0  # async: how long the call that starts a lookup waits for its answer
     # EAGLE / MTP drafters: the drafter's KV at a hit's last position depends on the next token, which no
     # key names, so a hit ends one aligned boundary earlier (vLLM drops a local hit's last block alike)
     drop_last_hit_block: bool = False
@@ -145,10 +149,15 @@ class SchedulerCore:
         if self.config.lookup_async:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
-            self._lookups[req_id] = _Lookup(
-                len(hashes), now, future=self._executor.submit(self.longest_hit, hashes, num_tokens)
-            )
-            return None
+            entry = _Lookup(len(hashes), now, future=self._executor.submit(self.longest_hit, hashes, num_tokens))
+            self._lookups[req_id] = entry
+            assert entry.future is not None
+            if self.config.lookup_wait_s > 0:
+                wait([entry.future], timeout=self.config.lookup_wait_s)
+            if not entry.future.done():
+                return None  # ask again: later calls poll it, up to lookup_timeout_s
+            entry.hit, entry.future = self._result(entry.future), None
+            return entry.hit
         hit = self._safe_hit(hashes, num_tokens)
         self._lookups[req_id] = _Lookup(len(hashes), now, hit)
         return hit
