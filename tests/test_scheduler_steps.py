@@ -138,3 +138,17 @@ def test_an_eagle_drafter_drops_the_last_block_of_a_pool_hit() -> None:
     steps, hashes = stored_prefix(SchedulerConfig(drop_last_hit_block=True))
     assert steps.matched("r", hashes, 144, 0) == (112, True)
     assert steps.matched("s", hashes[:1], 17, 0) == (0, False)
+
+
+def test_the_steps_a_request_waits_are_counted() -> None:
+    """The per-request breakdown on /metrics: a load reported in the output of the step it was armed in
+    costs the request one step (vLLM schedules it in the next); a lookup answered later, a step each."""
+    steps, hashes = stored_prefix()
+    steps.matched("r", hashes, 144, 0)
+    steps.allocated("r", 144, hashes, 128)
+    steps.begin([], {"r": TABLE}.get)
+    steps.absorb(set(), set(), [])  # not yet
+    steps.begin([], lambda _: None)
+    steps.absorb(set(), set(), ["r"])
+    stats = steps.core.stats
+    assert (stats.loads_finished, stats.load_wait_steps, stats.lookup_waits) == (1, 2, 0)

@@ -48,6 +48,10 @@ class SchedulerStats:
     loads: int = 0
     load_tokens: int = 0
     preemptions: int = 0
+    # where a request's time goes, in engine steps (per request: divide by lookups, loads_finished)
+    lookup_waits: int = 0  # "ask again" answers: a step a request waited for its lookup
+    loads_finished: int = 0
+    load_wait_steps: int = 0  # steps from a load's allocation to the output that reported it finished
 
 
 @dataclass

@@ -49,6 +49,8 @@ class SchedulerSteps:
         self._pending: dict[str, _Pending] = {}
         self._retired: set[str] = set()  # re-admitted before a step listed their preemption
         self._cancelled: list[str] = []  # ended with their load allocated, before any step armed it
+        self._steps = 0  # steps built so far
+        self._allocated_at: dict[str, int] = {}  # loading request → the step its allocation is in
 
     def matched(
         self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int, computed_tokens: int
@@ -62,6 +64,7 @@ class SchedulerSteps:
             self._retired.add(req_id)
         hit = self.core.lookup(req_id, block_hashes, num_tokens)
         if hit is None:
+            self.core.stats.lookup_waits += 1
             return None, False
         self._local_tokens[req_id] = computed_tokens
         return self.loads.offer(hit, computed_tokens)
@@ -76,11 +79,13 @@ class SchedulerSteps:
         self.core.on_allocated(req_id, num_prompt_tokens, local, external_tokens)
         self._pending[req_id] = _Pending(num_prompt_tokens, block_hashes)
         self.loads.allocated(req_id)
+        self._allocated_at[req_id] = self._steps + 1
 
     def begin(self, preempted: Iterable[str], table: Callable[[str], Table | None]) -> StepMetadata:
         """A step's metadata with its preemptions and the loads allocated since the last step; the
         scheduled requests follow through `add`. `table(req_id)` resolves a request's current blocks."""
         core = self.core
+        self._steps += 1
         step = StepMetadata(reset_epoch=core.reset_epoch)
         for req_id in preempted:
             step.preempted.append(req_id)
@@ -88,6 +93,7 @@ class SchedulerSteps:
                 continue  # already retired at its re-admission: its new tracker and load stay
             core.preempt(req_id)
             self.loads.preempted(req_id)
+            self._allocated_at.pop(req_id, None)
         # retired without a preemption the engine listed (a load that failed whole): the workers drop
         # the old state all the same, before the new state's first delta in this step
         step.preempted.extend(sorted(self._retired.difference(step.preempted)))
@@ -149,6 +155,12 @@ class SchedulerSteps:
         """One step's output from the workers: failed loads are never offered again."""
         for req_id in self.loads.absorb(invalid_blocks, failed_requests, finished):
             self.core.mark_load_failed(req_id)
+        stats = self.core.stats
+        for req_id in finished:
+            allocated_at = self._allocated_at.pop(req_id, None)
+            if allocated_at is not None:
+                stats.loads_finished += 1
+                stats.load_wait_steps += self._steps - allocated_at + 1
 
     def finished(self, req_id: str) -> bool:
         """The request ended: True when the engine must keep its blocks until its load is reported."""
@@ -156,5 +168,6 @@ class SchedulerSteps:
         if self._pending.pop(req_id, None) is not None:
             self._cancelled.append(req_id)
         self._retired.discard(req_id)
+        self._allocated_at.pop(req_id, None)
         self.core.finish(req_id)
         return self.loads.finish(req_id)

@@ -104,6 +104,13 @@ SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("load_requests", "loads", "Requests scheduled to load a prefix from the pool."),
     MetricSpec("load_tokens", "load_tokens", "Tokens scheduled to be loaded from the pool instead of computed."),
     MetricSpec("preemptions", "preemptions", "Requests preempted by the engine while tracked by kvpool."),
+    MetricSpec(
+        "lookup_wait_steps", "lookup_waits", "Scheduler steps requests waited for an async lookup (ask-again answers)."
+    ),
+    MetricSpec("loads_finished", "loads_finished", "Pool loads the workers reported finished (loaded or failed)."),
+    MetricSpec(
+        "load_wait_steps", "load_wait_steps", "Scheduler steps from a load's allocation to its reported finish, summed."
+    ),
 )
 COUNTERS: tuple[MetricSpec, ...] = WORKER_COUNTERS + BACKEND_COUNTERS + SCHEDULER_COUNTERS
 POOL_GAUGES: tuple[MetricSpec, ...] = (
