@@ -378,20 +378,26 @@ class EngineOracle(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def new_request(self, data: st.DataObject) -> None:
+        """New requests: most share a prefix with an earlier one; a burst shares one long system prompt
+        (admitted in one schedule() pass, they take local hits on each other's blocks)."""
         prompt = data.draw(st.integers(8, 144), label="prompt")
         total = prompt + data.draw(st.integers(1, 40), label="outputs")
         tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=total, max_size=total), label="tokens")
         if self.history and data.draw(st.sampled_from([True, True, False]), label="shares a prefix"):
             other = data.draw(st.sampled_from(self.history), label="with")
             most = min(len(other), total)
-            shared = data.draw(st.integers(min(B, most), most), label="shared")
+            shared = data.draw(st.one_of(st.just(most), st.integers(min(B, most), most)), label="shared")
             tokens[:shared] = other[:shared]
-        self.history.append(tokens)
-        rid = f"r{self.count}"
-        self.count += 1
-        req = Req(rid, tokens, prompt, prompt, tables=[[] for _ in self.kinds])
-        self.requests[rid] = req
-        self.waiting.append(req)
+        for copy in range(data.draw(st.sampled_from([1, 1, 1, 2, 3]), label="burst")):
+            if copy:
+                tail = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), label="its own")
+                tokens = tokens[:prompt] + tail
+            self.history.append(tokens)
+            rid = f"r{self.count}"
+            self.count += 1
+            req = Req(rid, tokens, prompt, prompt, tables=[[] for _ in self.kinds])
+            self.requests[rid] = req
+            self.waiting.append(req)
 
     @rule(
         budgets=st.lists(st.integers(8, 96), min_size=1, max_size=4),
