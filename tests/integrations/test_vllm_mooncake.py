@@ -167,10 +167,11 @@ def test_engine_processes_share_one_master(llama, baseline, masters, tmp_path):
             answers = record_lookups()
             loaded = generate_greedy(llm, SHARED, MAX_TOKENS)
             stats_b = settle(llm).stats
-    # lookups leave the process, so they run on a thread: "ask again" first, never blocking the engine loop
+    # lookups leave the process, so they run on a thread; a healthy master usually answers within
+    # lookup_wait_ms, in the call that starts the lookup, else "ask again" (a hung master: its own test)
     assert len(answers) == 2
     for seen in answers.values():
-        assert seen[0] == (None, False) and (256, True) in seen, seen
+        assert seen[-1] == (256, True) and set(seen) <= {(None, False), (256, True)}, seen
     assert [r.num_cached_tokens for r in loaded] == [256, 256]
     assert stats_b.chunks_loaded == 2 * (256 // BLOCK) and stats_b.chunks_load_failed == 0
     assert stats_b.chunks_put == 0  # B recomputed only the partial tail block, which is never stored
