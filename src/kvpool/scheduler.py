@@ -360,6 +360,10 @@ class SchedulerCore:
 
     def preempt(self, req_id: str) -> None:
         self.stats.preemptions += 1
+        self.forget(req_id)
+
+    def forget(self, req_id: str) -> None:
+        """Drop the request's tracker and cached lookup: it starts over (a failed load is remembered)."""
         self._lookups.pop(req_id, None)
         self._trackers.pop(req_id, None)
 

@@ -60,7 +60,7 @@ class SchedulerSteps:
         if self.core.started(req_id) and not self.loads.loading(req_id):
             # looked up again with the workers holding its table: preempted (or its load failed whole)
             # and now re-admitted, possibly before the step that lists the preemption is built
-            self.core.preempt(req_id)
+            self.core.forget(req_id)
             self._retired.add(req_id)
         hit = self.core.lookup(req_id, block_hashes, num_tokens)
         if hit is None:
@@ -90,6 +90,7 @@ class SchedulerSteps:
         for req_id in preempted:
             step.preempted.append(req_id)
             if req_id in self._retired:
+                core.stats.preemptions += 1
                 continue  # already retired at its re-admission: its new tracker and load stay
             core.preempt(req_id)
             self.loads.preempted(req_id)
