@@ -70,23 +70,28 @@ def _layout(runtime: InlineRuntime | None = None, integrity: Integrity = Integri
     return layout, tensors
 
 
-def test_a_save_is_read_after_the_forward_and_engine_work_after_it_waits_for_the_gather_not_the_host():
+def test_a_save_gathers_after_the_forward_and_copies_on_another_stream_the_engine_waits_only_for_the_gather():
     runtime = InlineRuntime()
     layout, _ = _layout(runtime)
+    runtime.log.clear()
     _, staged = layout.capture_rows(0, [1, 2])
     assert staged is not None
     log = [(op, stream) for op, stream, _ in runtime.log]
     assert log == [
         ("record", "compute"),  # the forward wrote the blocks
-        ("use", "copy1"),
-        ("wait", "copy1"),  # the save stream starts after that, on the device
+        ("use", "copy1"),  # the gather stream
+        ("wait", "copy1"),  # starts after the forward, on the device
         ("record", "copy1"),  # gathered
-        ("record", "copy1"),  # copied to the host
         ("leave", "copy1"),
-        ("wait", "compute"),  # later engine work waits for the gather on the device
+        ("use", "copy2"),  # the copy stream: the next step's gather never queues behind this copy
+        ("wait", "copy2"),  # the device-to-host copy starts once gathered
+        ("record", "copy2"),  # done
+        ("leave", "copy2"),
+        ("wait", "compute"),  # later engine work waits for the gather on the device, not for the copy
     ]
     ids = [event for op, _, event in runtime.log if op in ("record", "wait")]
-    assert ids[1] == ids[0] and ids[-1] == ids[2]  # the save stream waits for the forward; compute for the gather
+    forward, gathered = ids[0], ids[2]
+    assert ids[1] == forward and ids[3] == gathered and ids[-1] == gathered and ids[4] == id(staged.done)
 
 
 def test_a_load_into_device_memory_waits_for_the_engine_before_it_and_the_forward_waits_for_it():
@@ -100,12 +105,13 @@ def test_a_load_into_device_memory_waits_for_the_engine_before_it_and_the_forwar
     done = layout.commit_rows(0, [3, 4], host, [True, False], after=started)
     assert done is not None and done.query()
     ops = [(op, stream, event) for op, stream, event in runtime.log]
+    inner = done.event  # type: ignore[attr-defined]
     assert ops == [
-        ("use", "copy2", 0),
-        ("wait", "copy2", id(started)),  # never under the engine's own writes to these blocks (V2 zeroing)
-        ("record", "copy2", id(done)),
-        ("leave", "copy2", 0),
-        ("wait", "compute", id(done)),  # the forward runs after the load, on the device
+        ("use", "copy3", 0),
+        ("wait", "copy3", id(started)),  # never under the engine's own writes to these blocks (V2 zeroing)
+        ("record", "copy3", id(inner)),
+        ("leave", "copy3", 0),
+        ("wait", "compute", id(inner)),  # the forward runs after the load, on the device
     ]
     for tensor in tensors.values():
         assert (tensor[:, 3] == 7).all() and not (tensor[:, 4] == 7).all()  # only what arrived
@@ -129,17 +135,17 @@ def test_device_layout_round_trip_through_the_pool_with_seals(integrity):
 
 
 def test_a_ring_full_of_copies_in_flight_raises_staging_full_and_frees_once_they_are_dropped():
-    layout, _ = _layout(staging=2 * 2 * 2 * 256)  # room for two blocks of this layout
-    first = layout.capture_rows(0, [1, 2])
+    layout, _ = _layout(staging=8192)  # a 4 KiB save share: room for one slot of three 1 KiB blocks
+    first = layout.capture_rows(0, [1, 2, 3])
     with pytest.raises(StagingFull):
-        layout.capture_rows(0, [3])
+        layout.capture_rows(0, [4])
     del first
     gc.collect()
-    _, staged = layout.capture_rows(0, [3])
+    _, staged = layout.capture_rows(0, [4])
     assert staged is not None
 
 
-def test_host_rows_stay_out_of_the_ring_until_their_copy_is_done():
+def test_host_slots_stay_out_of_the_ring_until_their_copy_is_done():
     class Pending:
         def __init__(self) -> None:
             self.finished = False
@@ -153,13 +159,13 @@ def test_host_rows_stay_out_of_the_ring_until_their_copy_is_done():
         def record(self, stream: object) -> None:
             return
 
-    copier = DeviceCopier(InlineRuntime(), 64)
-    rows = copier.host_rows(1, 64)
-    assert rows is not None
+    copier = DeviceCopier(InlineRuntime(), 4096)
+    slot = copier.host_slot(1, 2048)
+    assert slot is not None
     pending = Pending()
-    copier._hold(pending, rows)  # a copy the device still runs into these rows
-    del rows
+    copier._hold(pending, slot)  # a copy the device still runs into these rows
+    del slot
     gc.collect()
-    assert copier.host_rows(1, 64) is None  # dropped by every caller, but the device still writes there
+    assert copier.host_slot(1, 2048) is None  # dropped by every caller, but the device still writes there
     pending.synchronize()
-    assert copier.host_rows(1, 64) is not None
+    assert copier.host_slot(1, 2048) is not None

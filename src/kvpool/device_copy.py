@@ -1,22 +1,39 @@
 """Blocks between device KV memory and the host, without stalling the model.
 
-One copy stream per direction, a host staging ring allocated once (pinned on CUDA), and events for
-every ordering; the engine's thread never waits for the device:
+Three streams, one pinned host ring and two bounded device buffers, all allocated once, and events
+for every ordering; the engine's thread never waits for the device:
 
-- **save** (after the step's forward): the save stream waits for an event recorded on the compute
-  stream, gathers the blocks into one device buffer (device to device, fast), and records
-  `gathered`; the compute stream waits for `gathered` on the device, so nothing the engine runs
-  later (Model Runner V2 zeroing a reused block, a copy-on-write copy, the next forward) can touch
-  the blocks before they are read. The device-to-host copy into the ring then overlaps compute, and
-  `done` says when the host bytes are valid: the sender waits for it on its own thread.
-- **load**: the host-to-device copy and the scatter into the blocks run on the load stream; the
-  calling thread's current stream waits for `done` on the device (an in-step load: the forward runs
-  after it), and a load on the loader's thread waits for `done` before it is reported finished.
+- **save** (after the step's forward): the *gather* stream waits for an event recorded on the compute
+  stream, uploads the block ids from the pinned slot, gathers every layer's blocks into one device
+  buffer (device to device, one kernel per run of equally strided layer pieces: one for a vLLM 0.32
+  backing buffer), and records `gathered`; the compute stream waits for `gathered` on the device, so
+  nothing the engine runs later (Model Runner V2 zeroing a reused block, a copy-on-write copy, the
+  next forward) can touch the blocks before they are read. The *copy* stream then waits for
+  `gathered` and copies the gathered rows, contiguous, into a contiguous pinned slot (a strided or
+  pageable destination would make the copy synchronous); `done` says when the host bytes are valid
+  and the sender waits for it on its own thread. The gather and the copy are on separate streams, so
+  the next step's gather (which the forward waits for) never queues behind this step's copy.
+- **load**: the load stream waits for the engine's work queued when the load started (`after`),
+  copies the whole pinned slot to the device (contiguous), selects the rows that arrived on the
+  device (a partial load), and scatters them into the blocks; the calling thread's current stream
+  waits for `done` on the device, and a load on the loader's thread waits for `done` before it is
+  reported finished.
 
-The ring hands out slots at its head and reuses space once the oldest slots are back; a slot goes
-back when the host array over it is freed (so every path, dropped or put or failed, returns it). A
-batch larger than the whole ring is a clear error; a ring full of in-flight saves answers None and
-the caller drops that save (a later miss), as for any full save buffer.
+Host memory: one pinned buffer (`save_buffer_bytes`; torch's pinned allocator rounds a request up to
+a power of two, so the ring uses the whole rounded allocation), split into a save ring and a load
+ring (a quarter, never less than one batch of the load's chunks fits) so loads never fall back to
+pageable memory because saves filled the ring. A slot holds the blocks' bytes (one contiguous
+array), their seals (a column of its own) and the int64 block ids the device uploads from it.
+
+Device memory: a gather buffer for saves and one for loads, each at most `DEVICE_BUFFER_BYTES`
+(and no larger than its host ring), allocated when the KV caches are registered, i.e. after vLLM
+sized its KV cache to `gpu_memory_utilization`: they come out of the headroom vLLM leaves (on an
+H200 at 0.9 that is about 14 GiB); lower `gpu_memory_utilization` by their share when that headroom
+is used by something else. A batch larger than a device buffer goes in segments; when the buffer is
+still being read by earlier copies, the gather stream waits for them on the device, never the host.
+
+Every CUDA call kvpool makes on its own threads (the loader's, the sender's) runs with the KV
+tensors' device current (`Runtime.bind`), so no rank creates a context on GPU 0.
 
 `Runtime` is what the copier needs from a device runtime: torch's CUDA streams and events, or
 `InlineRuntime` (host tensors, the CPU self-test: every operation completes at once, in order).
@@ -24,16 +41,22 @@ the caller drops that save (a later miss), as for any full save buffer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from kvpool.errors import LayoutError
+
+DEVICE_BUFFER_BYTES = 128 << 20  # each of the two device buffers (gather, load), at most
+LOAD_SHARE = 4  # loads get 1/LOAD_SHARE of the pinned ring
+ALIGN = 256  # slot starts, in bytes: int64 index views and coalesced device copies need alignment
+INDEX_BYTES = 8  # one int64 block id
 
 
 class Event(Protocol):
@@ -43,11 +66,17 @@ class Event(Protocol):
 
 
 class Runtime(Protocol):
+    device: Any
+
     def current_stream(self) -> Any: ...
     def new_stream(self) -> Any: ...
     def new_event(self) -> Event: ...
     def use(self, stream: Any) -> Any:
-        """A context manager making `stream` current on this thread."""
+        """A context manager making `stream` (and its device) current on this thread."""
+        ...
+
+    def bind(self) -> Any:
+        """A context manager making the KV tensors' device current on this thread."""
         ...
 
     def wait(self, stream: Any, event: Event) -> None:
@@ -58,54 +87,96 @@ class Runtime(Protocol):
         """A host byte tensor allocated once (pinned on CUDA)."""
         ...
 
+    def device_buffer(self, nbytes: int) -> Any:
+        """A device byte tensor allocated once."""
+        ...
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned (CachingHostAllocator) allocation of `nbytes` really takes: the next power of two."""
+    return 1 << max(0, (int(nbytes) - 1).bit_length())
+
 
 class TorchCuda:
-    """The CUDA runtime through torch."""
+    """The CUDA runtime through torch, bound to the KV tensors' device."""
 
-    def __init__(self) -> None:
-        import torch
-
+    def __init__(self, device: Any = None, torch: Any = None) -> None:
+        if torch is None:
+            import torch
         self.torch = torch
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def current_stream(self) -> Any:
-        return self.torch.cuda.current_stream()
+        return self.torch.cuda.current_stream(self.device)
 
     def new_stream(self) -> Any:
-        return self.torch.cuda.Stream()
+        return self.torch.cuda.Stream(device=self.device)
 
     def new_event(self) -> Event:
-        event: Event = self.torch.cuda.Event()
+        # blocking: a host wait on it sleeps instead of spinning a core
+        event: Event = self.torch.cuda.Event(blocking=True)
         return event
 
     def use(self, stream: Any) -> Any:
-        return self.torch.cuda.stream(stream)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.torch.cuda.device(self.device))
+        stack.enter_context(self.torch.cuda.stream(stream))
+        return stack
+
+    def bind(self) -> Any:
+        return self.torch.cuda.device(self.device)
 
     def wait(self, stream: Any, event: Event) -> None:
         stream.wait_event(event)
 
     def host_buffer(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+        # the pinned allocator rounds up to a power of two: use all of what is taken anyway
+        return self.torch.empty(pinned_bytes(nbytes), dtype=self.torch.uint8, pin_memory=True)
+
+    def device_buffer(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
 
 
 class _DoneEvent:
+    def __init__(self, runtime: InlineRuntime) -> None:
+        self.runtime = runtime
+
     def record(self, stream: Any) -> None:
         if hasattr(stream, "log"):
             stream.log.append(("record", stream.name, id(self)))
 
     def synchronize(self) -> None:
-        return
+        self.runtime.note("synchronize")
 
     def query(self) -> bool:
+        self.runtime.note("query")
         return True
 
 
 class InlineRuntime:
     """Host tensors: operations run at once, in program order, so every event has happened when
-    recorded. Streams keep a log of the waits and records (what the unit tests check)."""
+    recorded. Streams keep a log of the waits and records (what the unit tests check); `bound` says,
+    per thread, which device `bind`/`use` made current, and `calls` notes (thread, call, bound device)
+    for every host-side event call (what the device-binding and engine-thread tests check)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        import torch
+
+        self.torch = torch
+        self.device = device
         self.log: list[tuple[str, str, int]] = []
+        self.calls: list[tuple[str, str, str | None]] = []
+        self._bound = threading.local()
         self._streams = 0
+
+    @property
+    def bound(self) -> str | None:
+        return getattr(self._bound, "device", None)
+
+    def note(self, call: str) -> None:
+        self.calls.append((threading.current_thread().name, call, self.bound))
 
     def current_stream(self) -> Any:
         return _Stream("compute", self.log)
@@ -115,18 +186,28 @@ class InlineRuntime:
         return _Stream(f"copy{self._streams}", self.log)
 
     def new_event(self) -> Event:
-        return _DoneEvent()
+        return _DoneEvent(self)
 
     def use(self, stream: Any) -> Any:
-        return _Using(stream, self.log)
+        return _Using(stream, self.log, self)
+
+    @contextlib.contextmanager
+    def bind(self) -> Any:
+        before = self.bound
+        self._bound.device = self.device
+        try:
+            yield
+        finally:
+            self._bound.device = before
 
     def wait(self, stream: Any, event: Event) -> None:
         self.log.append(("wait", stream.name, id(event)))
 
     def host_buffer(self, nbytes: int) -> Any:
-        import torch
+        return self.torch.empty(nbytes, dtype=self.torch.uint8)
 
-        return torch.empty(nbytes, dtype=torch.uint8)
+    def device_buffer(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -136,24 +217,47 @@ class _Stream:
 
 
 class _Using:
-    def __init__(self, stream: _Stream, log: list[tuple[str, str, int]]) -> None:
-        self.stream, self.log = stream, log
+    def __init__(self, stream: _Stream, log: list[tuple[str, str, int]], runtime: InlineRuntime) -> None:
+        self.stream, self.log, self.runtime = stream, log, runtime
+        self._binding: Any = None
 
     def __enter__(self) -> None:
+        self._binding = self.runtime.bind()
+        self._binding.__enter__()
         self.log.append(("use", self.stream.name, 0))
 
     def __exit__(self, *exc: object) -> None:
         self.log.append(("leave", self.stream.name, 0))
+        self._binding.__exit__(*exc)
+
+
+def _align(nbytes: int) -> int:
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
+def _place(slots: deque[list[Any]], head: int, capacity: int, nbytes: int) -> int | None:
+    """Where a slot of `nbytes` goes in a ring whose slots still out are `slots` (oldest first)."""
+    if not slots:
+        return 0
+    tail = slots[0][0]  # the oldest slot still out
+    if slots[-1][0] >= tail:  # not wrapped: free is [head, capacity) and [0, tail)
+        if head + nbytes <= capacity:
+            return head
+        return 0 if nbytes <= tail else None
+    return head if head + nbytes <= tail else None  # wrapped: free is [head, tail)
 
 
 class StagingRing:
-    """Slots of one host buffer, taken at the head, reused once every older slot is back."""
+    """Slots of one host buffer, taken at the head, reused once every older slot is back.
+
+    The lock is re-entrant: a slot goes back when its array is freed, and a finalizer can run in any
+    allocation, including one made while this thread holds the lock."""
 
     def __init__(self, buffer: Any) -> None:
         self.buffer = buffer  # a 1-D uint8 tensor (pinned on CUDA)
         self.capacity = int(buffer.numel())
-        self._lock = threading.Lock()
-        self._slots: deque[list[int]] = deque()  # [start, end, returned] in the order taken
+        self._lock = threading.RLock()
+        self._slots: deque[list[Any]] = deque()  # [start, end, returned] in the order taken
         self._head = 0
 
     def take(self, nbytes: int, setting: str = "save_buffer_bytes") -> tuple[int, Any] | None:
@@ -164,11 +268,11 @@ class StagingRing:
                 f"({setting}): raise {setting}, or lower put_batch_chunks"
             )
         with self._lock:
-            start = self._place(nbytes)
+            start = _place(self._slots, self._head, self.capacity, nbytes)
             if start is None:
                 return None
             self._slots.append([start, start + nbytes, 0])
-            self._head = start + nbytes
+            self._head = _align(start + nbytes)
         return start, self.buffer[start : start + nbytes]
 
     def give_back(self, start: int) -> None:
@@ -187,16 +291,67 @@ class StagingRing:
         with self._lock:
             return sum(end - start for start, end, returned in self._slots if not returned)
 
-    def _place(self, nbytes: int) -> int | None:
-        if not self._slots:
-            return 0
-        tail = self._slots[0][0]  # the oldest slot still out
-        head = self._head
-        if self._slots[-1][0] >= tail:  # not wrapped: free is [head, capacity) and [0, tail)
-            if head + nbytes <= self.capacity:
-                return head
-            return 0 if nbytes <= tail else None
-        return head if head + nbytes <= tail else None  # wrapped: free is [head, tail)
+
+class DeviceRing:
+    """Slots of one device buffer, each free again once the event it was given has happened. It never
+    refuses: with no room, the stream that will write the new slot waits (on the device) for the oldest
+    slots' events, so a batch larger than the buffer goes in segments that reuse it in turn."""
+
+    def __init__(self, runtime: Runtime, nbytes: int) -> None:
+        self.runtime = runtime
+        self.capacity = _align(max(ALIGN, nbytes))
+        self.buffer = runtime.device_buffer(self.capacity)
+        self._lock = threading.RLock()
+        self._slots: deque[list[Any]] = deque()  # [start, end, event or None] in the order taken
+        self._head = 0
+        self.device_waits = 0  # times a writer had to wait on the device for room
+
+    def take(self, nbytes: int, stream: Any) -> int:
+        """The start of a slot of `nbytes`; `stream` (which writes it) waits for room on the device."""
+        nbytes = _align(nbytes)
+        if nbytes > self.capacity:
+            raise LayoutError(f"{nbytes} bytes do not fit the {self.capacity}-byte device buffer")
+        with self._lock:
+            while self._slots and self._slots[0][2] is not None and self._slots[0][2].query():
+                self._slots.popleft()
+            while (start := _place(self._slots, self._head if self._slots else 0, self.capacity, nbytes)) is None:
+                _, _, event = self._slots.popleft()
+                if event is None:  # pragma: no cover - a slot is given its event in the call that took it
+                    raise LayoutError("a device buffer slot was reused before its copy was queued")
+                self.runtime.wait(stream, event)  # the device waits for the copy reading it; never the host
+                self.device_waits += 1
+            self._slots.append([start, start + nbytes, None])
+            self._head = start + nbytes
+        return start
+
+    def free_after(self, start: int, event: Event) -> None:
+        """The slot at `start` is free once `event` has happened."""
+        with self._lock:
+            for slot in reversed(self._slots):
+                if slot[0] == start and slot[2] is None:
+                    slot[2] = event
+                    return
+
+    def view(self, start: int, nbytes: int) -> Any:
+        return self.buffer[start : start + nbytes]
+
+
+class BoundEvent:
+    """An event whose host waits run with the KV tensors' device current (the loader's thread waits on it)."""
+
+    def __init__(self, event: Event, bind: Callable[[], Any]) -> None:
+        self.event, self._bind = event, bind
+
+    def record(self, stream: Any) -> None:
+        self.event.record(stream)
+
+    def synchronize(self) -> None:
+        with self._bind():
+            self.event.synchronize()
+
+    def query(self) -> bool:
+        with self._bind():
+            return self.event.query()
 
 
 class StagingFull(Exception):
@@ -207,75 +362,200 @@ class StagingFull(Exception):
 class Staged:
     """Host rows whose bytes are valid once `done` has happened; `then` runs once after that (a seal)."""
 
-    host: np.ndarray  # (n, row_bytes) over a ring slot
+    host: np.ndarray  # (n, block bytes) over a ring slot
     done: Event
     then: Any = None
+    bind: Callable[[], Any] = contextlib.nullcontext
+    seals: np.ndarray | None = None  # (n, seal bytes) in the same slot, when sealed
 
     def wait(self) -> None:
-        self.done.synchronize()
+        with self.bind():  # a host wait on the KV's device, whichever thread runs it
+            self.done.synchronize()
         if self.then is not None:
             then, self.then = self.then, None
             then()
 
 
+@dataclass
+class HostSlot:
+    """A pinned ring slot: blocks (n, block bytes), seals (n, seal bytes) or None, and room for int64 ids."""
+
+    blocks: np.ndarray
+    seals: np.ndarray | None
+    blocks_tensor: Any
+    index_tensor: Any  # int64 pinned, 2n: block ids, then rows picked (a partial load)
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.blocks,) if self.seals is None else (self.blocks, self.seals)
+
+
+def byte_runs(pieces: Sequence[tuple[Any, Any, int, int, int]]) -> list[tuple[Any, int, int, int, int, int]]:
+    """Pieces (storage key, tensor over it, byte offset of block 0, block stride, width) in row order,
+    merged into runs (tensor, offset, block stride, count, step, width): consecutive pieces of one
+    storage, width and block stride whose offsets step evenly are one strided view, gathered by one
+    kernel (all layers of a vLLM 0.32 backing buffer: one run)."""
+    runs: list[list[Any]] = []  # [key, tensor, offset, stride, count, step, width]
+    for key, base, offset, stride, width in pieces:
+        if runs:
+            run = runs[-1]
+            same = run[0] == key and run[3] == stride and run[6] == width
+            if same and run[4] == 1 and offset - run[2] >= width:
+                run[4], run[5] = 2, offset - run[2]
+                continue
+            if same and run[4] > 1 and offset == run[2] + run[4] * run[5]:
+                run[4] += 1
+                continue
+        runs.append([key, base, offset, stride, 1, width, width])
+    return [(base, offset, stride, count, step, width) for _, base, offset, stride, count, step, width in runs]
+
+
+class RunView:
+    """(num_blocks, count, width) uint8 view over one storage: `count` pieces of `width` bytes per block."""
+
+    def __init__(self, base: Any, offset: int, stride: int, count: int, step: int, width: int, num_blocks: int) -> None:
+        import torch
+
+        self.count, self.width = count, width
+        self.view = torch.empty(0, dtype=torch.uint8, device=base.device).set_(
+            base.untyped_storage(), offset, (num_blocks, count, width), (stride, step, 1)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.width
+
+
 class DeviceCopier:
-    def __init__(self, runtime: Runtime, ring_bytes: int) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        ring_bytes: int,
+        device_bytes: int = DEVICE_BUFFER_BYTES,
+        min_load_bytes: int = 0,
+    ) -> None:
         self.runtime = runtime
-        self.ring = StagingRing(runtime.host_buffer(ring_bytes))
-        self.save_stream = runtime.new_stream()
-        self.load_stream = runtime.new_stream()
+        with runtime.bind():
+            buffer = runtime.host_buffer(ring_bytes)
+            total = int(buffer.numel())
+            load = min(total // 2, max(total // LOAD_SHARE, _align(min_load_bytes)))
+            load -= load % ALIGN
+            self.ring = StagingRing(buffer[: total - load])  # saves
+            self.load_ring = StagingRing(buffer[total - load :])  # loads: never crowded out by saves
+            self.host_buffer = buffer
+            self.gather_stream = runtime.new_stream()
+            self.copy_stream = runtime.new_stream()
+            self.load_stream = runtime.new_stream()
+            self.gather = DeviceRing(runtime, min(device_bytes, self.ring.capacity))
+            self.loads = DeviceRing(runtime, min(device_bytes, self.load_ring.capacity))
         # copies the device may still be running, with the host rows they read or write: a slot goes
         # back to the ring only once its copy is done, even if every caller dropped it before
         self._inflight: deque[tuple[Event, Any]] = deque()
         self._inflight_lock = threading.Lock()
 
-    def host_rows(self, count: int, row_bytes: int) -> tuple[np.ndarray, Any] | None:
-        """(count, row_bytes) host rows over a ring slot, as numpy and as a tensor; the slot goes back
-        when both are freed. None: the ring is full of copies in flight."""
+    # ---- host slots --------------------------------------------------------------------------
+
+    def host_slot(self, count: int, block_bytes: int, seal_bytes: int = 0, *, load: bool = False) -> HostSlot | None:
+        """A ring slot for `count` blocks (their bytes contiguous, then their seals, then 2*count int64
+        ids); it goes back once every array over it is freed. None: the ring is full of copies in flight."""
+        import torch
+
         self._prune()
-        taken = self.ring.take(count * row_bytes)
+        ring = self.load_ring if load else self.ring
+        blocks_at = 0
+        seals_at = _align(count * block_bytes)
+        index_at = seals_at + _align(count * seal_bytes)
+        taken = ring.take(index_at + 2 * count * INDEX_BYTES, "save_buffer_bytes")
         if taken is None:
             return None
         start, view = taken
-        tensor = view.view(count, row_bytes)
-        array = tensor.numpy()
-        weakref.finalize(array, self.ring.give_back, start)
-        return array, tensor
+        whole = view.numpy()
+        weakref.finalize(whole, ring.give_back, start)
+        blocks_tensor = view[blocks_at : blocks_at + count * block_bytes].view(count, block_bytes)
+        blocks = whole[blocks_at : blocks_at + count * block_bytes].reshape(count, block_bytes)
+        seals = whole[seals_at : seals_at + count * seal_bytes].reshape(count, seal_bytes) if seal_bytes else None
+        index = view[index_at : index_at + 2 * count * INDEX_BYTES].view(torch.int64)
+        return HostSlot(blocks, seals, blocks_tensor, index)
+
+    def wait_for_load_room(self) -> None:
+        """Off the engine's thread: wait until the oldest load copy still in flight is done."""
+        with self._inflight_lock:
+            oldest = self._inflight[0][0] if self._inflight else None
+        if oldest is not None:
+            with self.runtime.bind():
+                oldest.synchronize()
 
     def _hold(self, event: Event, rows: Any) -> None:
         with self._inflight_lock:
             self._inflight.append((event, rows))
 
     def _prune(self) -> None:
-        with self._inflight_lock:
+        with self.runtime.bind(), self._inflight_lock:
             while self._inflight and self._inflight[0][0].query():
                 self._inflight.popleft()
 
-    def save(self, views: Sequence[Any], ids: np.ndarray, row_bytes: int) -> Staged | None:
-        """Copy blocks `ids` of every layer view out to host rows of `row_bytes` (the blocks' bytes
-        first, room after them for a seal). None: the ring is full of in-flight saves."""
+    # ---- saves -------------------------------------------------------------------------------
+
+    def save(self, runs: Sequence[RunView], ids: np.ndarray, block_bytes: int, seal_bytes: int = 0) -> Staged | None:
+        """Copy blocks `ids` of every run out to host rows of `block_bytes` (and room for seals). None:
+        the ring is full of in-flight saves."""
         import torch
 
         runtime = self.runtime
-        rows = self.host_rows(len(ids), row_bytes)
-        if rows is None:
+        count = len(ids)
+        slot = self.host_slot(count, block_bytes, seal_bytes)
+        if slot is None:
             return None
-        host, host_tensor = rows
         compute = runtime.current_stream()
         written = runtime.new_event()
         written.record(compute)  # the step's forward has written the blocks
-        gathered, done = runtime.new_event(), runtime.new_event()
-        with runtime.use(self.save_stream):
-            runtime.wait(self.save_stream, written)
-            index = torch.from_numpy(ids).to(views[0].device, non_blocking=True)
-            parts = [view.index_select(0, index).reshape(len(ids), -1).view(torch.uint8) for view in views]
-            gathered_rows = torch.cat(parts, dim=1)
-            gathered.record(self.save_stream)
-            host_tensor[:, : gathered_rows.shape[1]].copy_(gathered_rows, non_blocking=True)
-            done.record(self.save_stream)
-        runtime.wait(compute, gathered)  # later engine work on these blocks waits for the gather, on the device
-        self._hold(done, (host, gathered_rows))
-        return Staged(host, done)
+        slot.index_tensor[:count].numpy()[:] = ids
+        per_segment = max(1, (self.gather.capacity - 2 * ALIGN) // (block_bytes + INDEX_BYTES))
+        done = runtime.new_event()
+        last_gathered: Event | None = None
+        for first in range(0, count, per_segment):
+            part = min(per_segment, count - first)
+            gathered = runtime.new_event()
+            with runtime.use(self.gather_stream):
+                runtime.wait(self.gather_stream, written)
+                start = self.gather.take(_align(part * block_bytes) + part * INDEX_BYTES, self.gather_stream)
+                rows = self.gather.view(start, part * block_bytes).view(part, block_bytes)
+                index_at = start + _align(part * block_bytes)
+                index = self.gather.view(index_at, part * INDEX_BYTES).view(torch.int64)
+                index.copy_(slot.index_tensor[first : first + part], non_blocking=True)  # from pinned memory
+                offset = 0
+                for run in runs:
+                    target = rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
+                    self._index_select(run.view, index, target)
+                    offset += run.nbytes
+                gathered.record(self.gather_stream)
+            last_gathered = gathered
+            with runtime.use(self.copy_stream):
+                runtime.wait(self.copy_stream, gathered)
+                # whole contiguous rows into a contiguous pinned slot: an asynchronous copy
+                slot.blocks_tensor[first : first + part].copy_(rows, non_blocking=True)
+                if first + part == count:
+                    done.record(self.copy_stream)
+                else:
+                    copied = runtime.new_event()
+                    copied.record(self.copy_stream)
+                    self.gather.free_after(start, copied)
+                    continue
+            self.gather.free_after(start, done)
+        if last_gathered is None:  # nothing to copy
+            done.record(compute)
+        else:
+            runtime.wait(compute, last_gathered)  # later engine work on these blocks waits for the gather
+        self._hold(done, slot)
+        return Staged(slot.blocks, done, bind=runtime.bind, seals=slot.seals)
+
+    @staticmethod
+    def _index_select(source: Any, index: Any, out: Any) -> None:
+        import torch
+
+        torch.index_select(source, 0, index, out=out)
+
+    # ---- loads -------------------------------------------------------------------------------
 
     def engine_point(self) -> Event:
         """An event on the calling thread's current stream: work the engine queued so far (Model Runner
@@ -284,28 +564,55 @@ class DeviceCopier:
         event.record(self.runtime.current_stream())
         return event
 
-    def load(self, views: Sequence[Any], ids: Sequence[int], host: np.ndarray, after: Event | None = None) -> Event:
-        """Scatter host rows (the blocks' bytes, in view order) into blocks `ids`, after `after` (an
-        `engine_point` taken on the engine's thread when the load started; default: now, on this
-        thread). The current stream waits for it on the device; the returned event says when it is done."""
+    def load(
+        self,
+        runs: Sequence[RunView],
+        slot: HostSlot,
+        targets: Sequence[int],
+        picks: Sequence[int] | None = None,
+        after: Event | None = None,
+    ) -> Event:
+        """Scatter rows of the pinned `slot` (all of them, or the rows `picks`) into blocks `targets`,
+        after `after` (an `engine_point` taken on the engine's thread when the load started; default:
+        now, on this thread). The whole slot goes to the device as one contiguous copy; the rows are
+        picked there. The current stream waits for it on the device; the returned event says when it
+        is done."""
         import torch
 
         runtime = self.runtime
         compute = runtime.current_stream()
         ready = after if after is not None else self.engine_point()
+        count, block_bytes = slot.blocks.shape
+        keep = len(targets)
+        index_host = slot.index_tensor
+        index_host[:keep].numpy()[:] = targets
+        partial = picks is not None and keep < count
+        if partial:
+            assert picks is not None
+            index_host[keep : 2 * keep].numpy()[:] = picks
         done = runtime.new_event()
         with runtime.use(self.load_stream):
             runtime.wait(self.load_stream, ready)  # never under the engine's own writes to these blocks
-            device = views[0].device
-            rows = torch.from_numpy(host).to(device, non_blocking=True)  # pinned when `host` is a ring slot
-            index = torch.as_tensor(list(ids), dtype=torch.int64).to(device, non_blocking=True)
+            rows_bytes = _align(count * block_bytes)
+            picked_bytes = _align(keep * block_bytes) if partial else 0
+            start = self.loads.take(rows_bytes + picked_bytes + 2 * keep * INDEX_BYTES, self.load_stream)
+            rows = self.loads.view(start, count * block_bytes).view(count, block_bytes)
+            rows.copy_(slot.blocks_tensor, non_blocking=True)  # the whole pinned slot, contiguous
+            index_at = start + rows_bytes + picked_bytes
+            index = self.loads.view(index_at, 2 * keep * INDEX_BYTES).view(torch.int64)
+            index.copy_(index_host[: 2 * keep], non_blocking=True)
+            if partial:
+                picked = self.loads.view(start + rows_bytes, keep * block_bytes).view(keep, block_bytes)
+                self._index_select(rows, index[keep : 2 * keep], picked)
+                rows = picked
             offset = 0
-            for view in views:
-                width = view[0].numel() * view.element_size()
-                part = rows[:, offset : offset + width].contiguous().view(view.dtype).reshape(len(ids), *view.shape[1:])
-                view.index_copy_(0, index, part)
-                offset += width
+            for run in runs:
+                run.view.index_copy_(
+                    0, index[:keep], rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
+                )
+                offset += run.nbytes
             done.record(self.load_stream)
+            self.loads.free_after(start, done)
         runtime.wait(compute, done)
-        self._hold(done, (host, rows))
-        return done
+        self._hold(done, slot)
+        return BoundEvent(done, runtime.bind)

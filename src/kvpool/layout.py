@@ -4,14 +4,28 @@ block (the CPU backend per instruction set), so bytes are copied block-wise, nev
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
+from math import prod
 from typing import Any
 
 import numpy as np
 
 from kvpool.backends.base import Rows, Status, _bounds
 from kvpool.buffers import as_u8
-from kvpool.device_copy import DeviceCopier, Event, InlineRuntime, Runtime, Staged, StagingFull, TorchCuda
+from kvpool.device_copy import (
+    DEVICE_BUFFER_BYTES,
+    DeviceCopier,
+    Event,
+    HostSlot,
+    InlineRuntime,
+    Runtime,
+    RunView,
+    Staged,
+    StagingFull,
+    TorchCuda,
+    byte_runs,
+)
 from kvpool.errors import LayoutError
 from kvpool.integrity import SEAL_BYTES, Integrity, Sealer
 
@@ -28,7 +42,12 @@ class KVLayout:
     valid after `Staged.wait` (the sender's thread waits, never the engine's).
 
     With `integrity` on, every value this layout hands out ends with the chunk's seal: saves compute
-    it, loads read it, and `verify` checks it before `commit_rows` (integrity.py)."""
+    it, loads read it, and `verify` checks it before `commit_rows` (integrity.py).
+
+    Shapes: per layer (num_blocks, ...) or (2, num_blocks, ...) (K and V outermost), in any strides
+    (vLLM 0.32 on GPU views one int8 backing buffer per layer, [B, H, N, C] in the layout's order), and
+    (num_blocks * r, ...) where vLLM split each block into r kernel blocks (viewed as (num_blocks, r,
+    ...)). A 1-D raw buffer (a spec without per-layer views) is refused by name."""
 
     def __init__(
         self,
@@ -40,6 +59,7 @@ class KVLayout:
         integrity: Integrity = Integrity.OFF,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         runtime: Runtime | None = None,
+        device_bytes: int = DEVICE_BUFFER_BYTES,
     ) -> None:
         if not tensors:
             raise LayoutError("no KV tensors were registered")
@@ -51,26 +71,47 @@ class KVLayout:
         self._views: list[list[Any]] = [[] for _ in range(self.num_groups)]
         first = next(iter(tensors.values()))
         self.staged = staged if staged is not None else not _is_host(first)
+        pieces: list[list[tuple[Any, Any, int, int, int]]] = [[] for _ in range(self.num_groups)]
         for name, tensor in tensors.items():
             shape = tuple(tensor.shape)
+            kv_outer = False
+            if len(shape) == 1 and shape[0] != num_blocks:
+                raise LayoutError(
+                    f"layer {name!r} is a raw KV buffer of {shape[0]} bytes (a vLLM KV cache spec without "
+                    "per-layer views, laid out by the spec itself): kvpool does not support such specs"
+                )
             if shape and shape[0] == num_blocks:
-                kv_outer = False
+                pass
             elif len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
                 kv_outer = True
+            elif len(shape) > 1 and num_blocks and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+                tensor = (
+                    tensor.reshape(num_blocks, shape[0] // num_blocks, *shape[1:])
+                    if isinstance(tensor, np.ndarray)
+                    else tensor.unflatten(0, (num_blocks, shape[0] // num_blocks))
+                )  # kernel blocks
             else:
                 raise LayoutError(
-                    f"layer {name!r} has shape {shape}: expected ({num_blocks}, ...) or (2, {num_blocks}, ...)"
+                    f"layer {name!r} has shape {shape}: expected ({num_blocks}, ...), (2, {num_blocks}, ...) "
+                    f"or ({num_blocks} x kernel blocks per block, ...)"
                 )
             group = layer_groups[name]
             halves = [tensor[0], tensor[1]] if kv_outer else [tensor]
             for half in halves:
                 try:
                     view = half if self.staged else as_u8(half).reshape(num_blocks, -1)
+                    if self.staged:
+                        pieces[group].extend(_block_pieces(half))
                 except TypeError as exc:  # not contiguous or not host memory: say which layer
                     raise LayoutError(f"layer {name!r}: {exc}") from exc
                 self._views[group].append(view)
         self._view_tuples = [tuple(views) for views in self._views]
+        self._runs: list[list[RunView]] = [
+            [RunView(*run, num_blocks) for run in byte_runs(group_pieces)] for group_pieces in pieces
+        ]
         self._block_bytes = [sum(_block_nbytes(v) for v in views) for views in self._views]
+        if self.staged:
+            self._block_bytes = [sum(run.nbytes for run in runs) for runs in self._runs]
         self._storages = _distinct_storages(tensors.values())
         self._sealers = [Sealer(nbytes, integrity) for nbytes in self._block_bytes]
         self.sealed = integrity is not Integrity.OFF
@@ -87,9 +128,11 @@ class KVLayout:
                 self._row_groups[group] = first_of.setdefault(signature, group)
         self._copier: DeviceCopier | None = None
         if self.staged:
+            largest = max(self._block_bytes) if self._block_bytes else 0
             if runtime is None:
-                runtime = InlineRuntime() if _is_host(first) else TorchCuda()
-            self._copier = DeviceCopier(runtime, staging_bytes)
+                runtime = InlineRuntime() if _is_host(first) else TorchCuda(first.device)
+            self._copier = DeviceCopier(runtime, staging_bytes, device_bytes, min_load_bytes=largest * 8)
+        self._loading: weakref.WeakKeyDictionary[Rows, HostSlot] = weakref.WeakKeyDictionary()
 
     def chunk_nbytes(self, group: int) -> int:
         """The bytes of one block of the group in every layer (without its seal)."""
@@ -113,7 +156,7 @@ class KVLayout:
         device memory, the host staging ring (for backends that register memory, e.g. RDMA)."""
         regions = list(self._storages)
         if self._copier is not None:
-            ring = self._copier.ring.buffer
+            ring = self._copier.host_buffer
             regions.append((int(ring.data_ptr()), int(ring.numel())))
         return regions
 
@@ -142,13 +185,18 @@ class KVLayout:
             return self.copy_rows(group, block_ids), None
         assert self._copier is not None
         ids = self._ids(group, block_ids)
-        staged = self._copier.save(self._views[group], ids, self._sealers[group].stored_bytes)
+        sealer = self._sealers[group]
+        seal_bytes = sealer.stored_bytes - self._block_bytes[group]
+        staged = self._copier.save(self._runs[group], ids, self._block_bytes[group], seal_bytes)
         if staged is None:
             raise StagingFull(f"{len(ids)} blocks of group {group}: the host staging ring is full of copies in flight")
-        host = staged.host
-        if self.sealed:
-            staged.then = lambda: self._sealed_copy(group, host)
-        return Rows((host,), np.arange(len(ids))), staged
+        blocks, seals = staged.host, staged.seals
+        if seals is not None:
+            staged.then = lambda: seals.__setitem__(
+                slice(None), sealer.seal_column(Rows((blocks,), np.arange(len(blocks))))
+            )
+            return Rows((blocks, seals), np.arange(len(ids))), staged
+        return Rows((blocks,), np.arange(len(ids))), staged
 
     def copy_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
         """Like `save_rows`, but always a host copy the caller owns: the engine may reuse the blocks
@@ -161,13 +209,6 @@ class KVLayout:
         rows = Rows.checked(copies, np.arange(len(ids))) if copies else Rows(copies, np.arange(len(ids)))
         return Rows((*copies, self._sealers[group].seal_column(rows)), rows.ids) if self.sealed else rows
 
-    def _sealed_copy(self, group: int, host: np.ndarray) -> Rows:
-        """`host`: one row per block, the block's bytes then room for its seal (filled here)."""
-        rows = Rows((host,), np.arange(len(host)))
-        if self.sealed:
-            host[:, self._block_bytes[group] :] = self._sealers[group].seal_column(rows)
-        return rows
-
     def load_rows(self, group: int, block_ids: Sequence[int], *, owned: bool = False) -> Rows:
         """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled.
         Host memory is filled in place unless `owned`: then (as always for device memory) a host buffer
@@ -176,9 +217,19 @@ class KVLayout:
         if not self.staged and not owned:
             views = tuple(self._views[group])
             return Rows((*views, self._load_seals[group]) if self.sealed else views, ids)
-        ring = self._copier.host_rows(len(ids), self.stored_nbytes(group)) if self._copier is not None else None
-        host = ring[0] if ring is not None else np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8)
-        return Rows((host,), np.arange(len(ids)))
+        if self._copier is None:
+            return Rows((np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8),), np.arange(len(ids)))
+        seal_bytes = self.stored_nbytes(group) - self._block_bytes[group]
+        for _ in range(100):
+            slot = self._copier.host_slot(len(ids), self._block_bytes[group], seal_bytes, load=True)
+            if slot is not None:
+                rows = Rows(slot.arrays, np.arange(len(ids)))
+                self._loading[rows] = slot
+                return rows
+            if not owned:  # the engine's thread never waits for the device: this load is not done
+                break
+            self._copier.wait_for_load_room()  # the loader's thread: wait for the oldest load copy
+        raise StagingFull(f"{len(ids)} blocks of group {group}: the load share of the host staging ring is full")
 
     def verify(self, group: int, rows: Rows, statuses: Sequence[Status]) -> list[Status]:
         """`statuses` of a read into `rows` (from `load_rows`), with every chunk whose seal does not
@@ -217,9 +268,12 @@ class KVLayout:
                 offset += view.shape[1]
             return None
         assert self._copier is not None
-        arrived_rows = rows.arrays[0] if len(keep) == len(arrived) else rows.arrays[0][keep]
+        slot = self._loading.get(rows)
+        if slot is None:
+            raise LayoutError("commit_rows: these rows did not come from load_rows of this layout")
         blocks = self._ids(group, [block_ids[index] for index in keep]).tolist()
-        return self._copier.load(views, blocks, arrived_rows[:, : self._block_bytes[group]], after)
+        picks = keep if len(keep) < len(arrived) else None
+        return self._copier.load(self._runs[group], slot, blocks, picks, after)
 
     def _ids(self, group: int, block_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
@@ -238,6 +292,40 @@ def _block_nbytes(view: Any) -> int:
     if isinstance(view, np.ndarray):
         return int(view.shape[1])
     return int(view[0].numel() * view.element_size())
+
+
+def _block_pieces(half: Any) -> list[tuple[Any, Any, int, int, int]]:
+    """(storage key, tensor, byte offset of block 0, block stride, width) of every dense byte run that
+    makes up one block of `half` (num_blocks, ...), in address order: one for a contiguous block in
+    any dim order, several when a block is spread (e.g. heads outside blocks)."""
+    element = half.element_size()
+    if any(stride < 0 for stride in half.stride()):
+        raise TypeError(f"tensor of strides {tuple(half.stride())} has negative strides")
+    key = half.untyped_storage().data_ptr()
+    block_stride = half.stride(0) * element
+    out: list[tuple[Any, Any, int, int, int]] = []
+
+    def split(offset: int, dims: list[tuple[int, int]]) -> None:
+        dims = [(size, stride) for size, stride in dims if size != 1]
+        if _dense(dims):
+            out.append((key, half, offset, block_stride, prod(size for size, _ in dims) * element))
+            return
+        outer = max(range(len(dims)), key=lambda index: dims[index][1])
+        size, stride = dims[outer]
+        for index in range(size):
+            split(offset + index * stride * element, dims[:outer] + dims[outer + 1 :])
+
+    split(half.storage_offset() * element, list(zip(half.shape[1:], half.stride()[1:])))
+    return out
+
+
+def _dense(dims: list[tuple[int, int]]) -> bool:
+    expected = 1
+    for size, stride in sorted(dims, key=lambda dim: dim[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _distinct_storages(tensors: Any) -> list[tuple[int, int]]:

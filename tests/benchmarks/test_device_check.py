@@ -1,4 +1,6 @@
-"""`scripts/device_check.sh --dry-run`: the GPU check's CPU self-test runs everything but CUDA."""
+"""`scripts/device_check.sh`: the GPU check's plan, checked on the CPU with the GPU's shapes (without
+allocating them), its phases run small on the CPU (`--dry-run`), each phase on its own with its JSON
+written as it goes, and a watchdog that dumps stacks and exits before the outer budget."""
 
 from __future__ import annotations
 
@@ -8,32 +10,143 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from kvpool.benchmarks import device_check, device_phases
+from kvpool.benchmarks.device_plan import BandwidthRow, Plan, Shape, check_plan, dry_plan, gpu_plan
+from kvpool.benchmarks.device_rig import SyncCounter
+from kvpool.device_copy import InlineRuntime
+
 ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "scripts" / "device_check.sh")
+ENV = {**os.environ, "PYTHON": sys.executable}
 
 
-def test_the_device_check_dry_run_passes_its_round_trips_in_both_runner_orders():
-    env = {**os.environ, "PYTHON": sys.executable}
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "device_check.sh"), "--dry-run"], capture_output=True, text=True, env=env, timeout=300
-    )
+def _script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def test_the_gpu_plan_passes_its_check_every_phase_inside_its_cache_and_the_time_budget():
+    plan = gpu_plan()
+    checked = check_plan(plan)
+    assert checked["ok"], checked["problems"]
+    assert set(checked["phases"]) == {"round_trip", "engine_thread", "bandwidth", "overlap"}
+    assert checked["estimate_s"] < plan.watchdog_s < plan.budget_s <= 240
+    assert {row.shape.chunk_bytes for row in plan.bandwidth} == {256 << 10, 2 << 20, 4 << 20}
+    assert plan.round_trip.caches == ("backing", "per_layer") and plan.round_trip.stall_cycles > 0
+    assert plan.overlap.rounds >= 1 and plan.engine_thread.integrity == ("off", "full")
+
+
+def test_the_plan_check_catches_the_bandwidth_row_that_crashed_the_first_gpu_run():
+    plan = gpu_plan()
+    old = BandwidthRow(Shape(layers=4, blocks=1024), batch=1024, reps=8)  # blocks 1..1024 of 1024
+    broken = Plan(**{**plan.__dict__, "bandwidth": (old, *plan.bandwidth[1:])})
+    checked = check_plan(broken)
+    assert not checked["ok"]
+    assert any("blocks 1..1024 are outside 1..1023" in problem for problem in checked["problems"])
+
+
+def test_plan_only_checks_every_phase_of_the_gpu_plan_on_the_cpu_without_allocating_it():
+    done = _script("--plan-only")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["verdict"] == "PASS" and result["check"]["ok"] and result["dry_check"]["ok"]
+    assert result["plan"]["device"] == "cuda" and result["plan"]["round_trip"]["shape"]["blocks"] == 2048
+    assert set(result["check"]["phases"]) == set(result["plan"]["phases"])
+
+
+def test_the_dry_run_passes_every_phase_and_writes_the_same_json_to_out(tmp_path):
+    out = tmp_path / "device_check.json"
+    done = _script("--dry-run", "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["verdict"] == "PASS" and done.stderr.strip().endswith("PASS")
-    for order in ("v1", "v2"):  # saved blocks reused right after the save, as each runner does
-        assert result["round_trip"][order]["exact"] and result["round_trip"][order]["loads_failed"] == 0
-    assert {row["chunk_bytes"] for row in result["bandwidth"]["rows"]} == {8192, 16384}
-    assert all(value > 0 for row in result["bandwidth"]["rows"] for value in row["gbps"].values())
-    assert result["overlap"]["bytes_moved"] > 0
-    assert result["bandwidth"]["pass"] is None and result["overlap"]["pass"] is None  # not judged on a CPU
+    assert json.loads(out.read_text())["phases"].keys() == result["phases"].keys()
+    phases = result["phases"]
+    for cache in ("backing", "per_layer"):  # vLLM 0.32's backing buffer and per-layer tensors
+        for order in ("v1", "v2"):  # saved blocks reused right after the save, as each runner does
+            entry = phases["round_trip"][f"{cache}/{order}"]
+            assert entry["exact"] and entry["loads_failed"] == 0
+    assert phases["round_trip"]["backing/v1"]["gather_runs"] == [1]  # all layers in one gather
+    for mode in ("off", "full"):
+        calls = phases["engine_thread"][mode]
+        assert calls["ok"] and all(calls[call]["syncs"] == 0 for call in ("save", "load", "partial_load"))
+        assert len(calls["partial_load"]["failed_blocks"]) == 1
+    assert {row["chunk_bytes"] for row in phases["bandwidth"]["rows"]} == {8192, 16384}
+    assert all(value > 0 for row in phases["bandwidth"]["rows"] for value in row["gbps"].values())
+    assert phases["overlap"]["traffic_ran"] and phases["overlap"]["loads"] > 0
+    assert phases["bandwidth"]["pass"] is None and phases["overlap"]["pass"] is None  # not judged on a CPU
+
+
+def test_a_failing_phase_leaves_every_other_phase_json_written_after_each(tmp_path, monkeypatch):
+    real = device_phases.run_phase
+    seen: list[set[str]] = []
+    out = tmp_path / "out.json"
+
+    def flaky(name, plan):
+        if out.exists():
+            seen.append(set(json.loads(out.read_text())["phases"]))
+        if name == "engine_thread":
+            raise RuntimeError("boom")
+        return {"pass": True} if name != "round_trip" else real(name, plan)
+
+    monkeypatch.setattr(device_phases, "run_phase", flaky)
+    report = device_check.Report(out, {"dry_run": True})
+    verdict = device_check.run(dry_plan(), report, ["round_trip", "engine_thread", "bandwidth", "overlap"])
+    assert verdict == "FAIL"
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["engine_thread"]["pass"] is False and "boom" in phases["engine_thread"]["error"]
+    assert phases["round_trip"]["pass"] is True and phases["overlap"]["pass"] is True
+    assert seen == [
+        set(),
+        {"round_trip"},
+        {"round_trip", "engine_thread"},
+        {"round_trip", "engine_thread", "bandwidth"},
+    ]
+
+
+def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json(tmp_path):
+    out = tmp_path / "out.json"
+    done = _script("--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "3", "--out", str(out))
+    assert done.returncode == 3
+    assert "watchdog" in done.stderr and "Thread 0x" in done.stderr and "in wait" in done.stderr
+    result = json.loads(out.read_text())
+    assert result["verdict"] == "TIMEOUT" and result["phases"]["round_trip"]["pass"] is True
 
 
 def test_without_cuda_the_full_check_says_to_use_the_dry_run():
-    import torch
-
     if torch.cuda.is_available():
-        return
-    env = {**os.environ, "PYTHON": sys.executable}
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "device_check.sh")], capture_output=True, text=True, env=env, timeout=120
+        pytest.skip("a GPU is here")
+    done = _script()
+    assert done.returncode == 2 and "--dry-run" in done.stderr
+
+
+def test_the_check_needs_only_torch_and_numpy():
+    code = (
+        "import sys, runpy\n"
+        "for name in ('vllm', 'rich', 'typer', 'prometheus_client', 'hypothesis', 'mooncake'):\n"
+        "    sys.modules[name] = None\n"
+        "sys.argv = ['device_check', '--dry-run', '--phases', 'round_trip']\n"
+        "runpy.run_module('kvpool.benchmarks.device_check', run_name='__main__')\n"
     )
-    assert done.returncode != 0 and "--dry-run" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**ENV, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_engine_thread_counter_counts_host_waits_on_its_thread_only():
+    import threading
+
+    runtime = InlineRuntime()
+    with SyncCounter(torch, runtime) as counter:
+        runtime.new_event().synchronize()  # the engine's thread waits: counted
+        other = threading.Thread(target=lambda: runtime.new_event().synchronize(), name="kvpool-sender")
+        other.start()
+        other.join()
+    assert counter.count == 1 and counter.kinds == {"event.synchronize": 1}
