@@ -572,11 +572,11 @@ class DeviceCopier:
         picks: Sequence[int] | None = None,
         after: Event | None = None,
     ) -> Event:
-        """Scatter rows of the pinned `slot` (all of them, or the rows `picks`) into blocks `targets`,
-        after `after` (an `engine_point` taken on the engine's thread when the load started; default:
-        now, on this thread). The whole slot goes to the device as one contiguous copy; the rows are
-        picked there. The current stream waits for it on the device; the returned event says when it
-        is done."""
+        """Scatter rows of the pinned `slot` (all of them, or the rows `picks`, ascending) into blocks
+        `targets`, after `after` (an `engine_point` taken on the engine's thread when the load started;
+        default: now, on this thread). Whole runs of slot rows go to the device as contiguous copies
+        (segments of the device buffer's size); the rows that arrived are picked there. The current
+        stream waits for it on the device; the returned event says when it is done."""
         import torch
 
         runtime = self.runtime
@@ -584,35 +584,55 @@ class DeviceCopier:
         ready = after if after is not None else self.engine_point()
         count, block_bytes = slot.blocks.shape
         keep = len(targets)
-        index_host = slot.index_tensor
-        index_host[:keep].numpy()[:] = targets
-        partial = picks is not None and keep < count
-        if partial:
-            assert picks is not None
-            index_host[keep : 2 * keep].numpy()[:] = picks
+        rows_picked = list(range(keep)) if picks is None else [int(row) for row in picks]
+        partial = keep < count
+        per_segment = max(1, (self.loads.capacity - 3 * ALIGN) // (2 * block_bytes + 2 * INDEX_BYTES))
+        # per segment of slot rows [first, last): the kept rows in it, as positions in `targets`
+        segments: list[tuple[int, int, int, int]] = []
+        position = 0
+        for first in range(0, count, per_segment):
+            last = min(count, first + per_segment)
+            begin = position
+            while position < keep and rows_picked[position] < last:
+                position += 1
+            if position > begin:
+                segments.append((first, last, begin, position))
+        index_host = slot.index_tensor.numpy()
+        index_host[:keep] = targets
+        for first, _, begin, end in segments:  # rows picked, relative to their segment
+            index_host[keep + begin : keep + end] = np.asarray(rows_picked[begin:end]) - first
         done = runtime.new_event()
         with runtime.use(self.load_stream):
             runtime.wait(self.load_stream, ready)  # never under the engine's own writes to these blocks
-            rows_bytes = _align(count * block_bytes)
-            picked_bytes = _align(keep * block_bytes) if partial else 0
-            start = self.loads.take(rows_bytes + picked_bytes + 2 * keep * INDEX_BYTES, self.load_stream)
-            rows = self.loads.view(start, count * block_bytes).view(count, block_bytes)
-            rows.copy_(slot.blocks_tensor, non_blocking=True)  # the whole pinned slot, contiguous
-            index_at = start + rows_bytes + picked_bytes
-            index = self.loads.view(index_at, 2 * keep * INDEX_BYTES).view(torch.int64)
-            index.copy_(index_host[: 2 * keep], non_blocking=True)
-            if partial:
-                picked = self.loads.view(start + rows_bytes, keep * block_bytes).view(keep, block_bytes)
-                self._index_select(rows, index[keep : 2 * keep], picked)
-                rows = picked
-            offset = 0
-            for run in runs:
-                run.view.index_copy_(
-                    0, index[:keep], rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
-                )
-                offset += run.nbytes
-            done.record(self.load_stream)
-            self.loads.free_after(start, done)
+            for number, (first, last, begin, end) in enumerate(segments):
+                span, kept = last - first, end - begin
+                rows_bytes = _align(span * block_bytes)
+                picked_bytes = _align(kept * block_bytes) if partial else 0
+                start = self.loads.take(rows_bytes + picked_bytes + 2 * kept * INDEX_BYTES, self.load_stream)
+                rows = self.loads.view(start, span * block_bytes).view(span, block_bytes)
+                rows.copy_(slot.blocks_tensor[first:last], non_blocking=True)  # pinned, contiguous
+                index_at = start + rows_bytes + picked_bytes
+                index = self.loads.view(index_at, 2 * kept * INDEX_BYTES).view(torch.int64)
+                index[:kept].copy_(slot.index_tensor[begin:end], non_blocking=True)
+                index[kept:].copy_(slot.index_tensor[keep + begin : keep + end], non_blocking=True)
+                if partial:
+                    picked = self.loads.view(start + rows_bytes, kept * block_bytes).view(kept, block_bytes)
+                    self._index_select(rows, index[kept:], picked)
+                    rows = picked
+                offset = 0
+                for run in runs:
+                    part = rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
+                    run.view.index_copy_(0, index[:kept], part)
+                    offset += run.nbytes
+                if number == len(segments) - 1:
+                    done.record(self.load_stream)
+                    self.loads.free_after(start, done)
+                else:
+                    copied = runtime.new_event()
+                    copied.record(self.load_stream)
+                    self.loads.free_after(start, copied)
+            if not segments:
+                done.record(self.load_stream)
         runtime.wait(compute, done)
         self._hold(done, slot)
         return BoundEvent(done, runtime.bind)

@@ -108,7 +108,7 @@ def test_a_failing_phase_leaves_every_other_phase_json_written_after_each(tmp_pa
 
 def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json(tmp_path):
     out = tmp_path / "out.json"
-    done = _script("--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "3", "--out", str(out))
+    done = _script("--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "1", "--out", str(out))
     assert done.returncode == 3
     assert "watchdog" in done.stderr and "Thread 0x" in done.stderr and "in wait" in done.stderr
     result = json.loads(out.read_text())

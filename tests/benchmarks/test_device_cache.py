@@ -1,0 +1,45 @@
+"""The device check's synthetic caches are what vLLM 0.32 allocates: its own `create_kv_cache_views`
+over the same backing buffer gives the same per-layer views (shape, strides, offset, dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.benchmarks.device_cache import LAYOUTS, backing_cache
+
+kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
+kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_backing_cache_matches_vllm_create_kv_cache_views(layout_name, ratio):
+    layers, blocks, block, heads, head_dim = 3, 10, 16, 2, 8
+    layout = kv_cache_layout.KVCacheLayout[layout_name]
+    if ratio > 1 and layout_name not in ("LBNHC", "LBHNC"):
+        pytest.skip("vLLM splits kernel blocks only where a block is one dense page")
+    spec = kv_cache_interface.FullAttentionSpec(
+        block_size=block, num_kv_heads=heads, head_size=head_dim, dtype=torch.bfloat16
+    )
+    page = spec.page_size_bytes
+    fixed = page * layers if layout.is_block_outermost else None
+    layer_stride, block_stride, *_ = kv_cache_interface.compute_layout_strides(
+        spec, blocks, layers, layout, fixed_strides=(None, fixed, None, None, None)
+    )
+    names = [f"layer{index}" for index in range(layers)]
+    tensor = kv_cache_interface.KVCacheTensor(
+        size=page * blocks * layers, layers=names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    raw, ours = backing_cache(torch, layers, blocks, block, heads, head_dim, torch.bfloat16, "cpu", layout_name, ratio)
+    theirs = kv_cache_interface.create_kv_cache_views(
+        raw, spec, blocks, layout, tensor, kernel_block_size=block // ratio if ratio > 1 else None
+    )
+    for name, view in zip(names, theirs):
+        mine = ours[name]
+        assert (mine.shape, mine.stride(), mine.storage_offset(), mine.dtype) == (
+            view.shape,
+            view.stride(),
+            view.storage_offset(),
+            view.dtype,
+        )
