@@ -108,7 +108,7 @@ def test_a_load_into_device_memory_waits_for_the_engine_before_it_and_the_forwar
     inner = done.event  # type: ignore[attr-defined]
     assert ops == [
         ("use", "copy3", 0),
-        ("wait", "copy3", id(started)),  # never under the engine's own writes to these blocks (V2 zeroing)
+        ("wait", "copy3", id(started.event)),  # never under the engine's own writes to these blocks (V2 zeroing)
         ("record", "copy3", id(inner)),
         ("leave", "copy3", 0),
         ("wait", "compute", id(inner)),  # the forward runs after the load, on the device
@@ -169,3 +169,19 @@ def test_host_slots_stay_out_of_the_ring_until_their_copy_is_done():
     assert copier.host_slot(1, 2048) is None  # dropped by every caller, but the device still writes there
     pending.synchronize()
     assert copier.host_slot(1, 2048) is not None
+
+
+def test_a_load_committed_on_the_loaders_thread_makes_no_stream_of_that_thread_wait():
+    import threading
+
+    runtime = InlineRuntime()
+    layout, _ = _layout(runtime)
+    host = layout.load_rows(0, [3])
+    started = layout.engine_point()  # on the engine's thread
+    runtime.log.clear()
+    worker = threading.Thread(target=layout.commit_rows, args=(0, [3], host, [True], started))
+    worker.start()
+    worker.join()
+    # the loader's current stream may be the legacy default stream vLLM's forward runs on: never made to
+    # wait; the load is reported finished once done, and the engine waits for that
+    assert [(op, stream) for op, stream, _ in runtime.log if stream == "compute"] == []

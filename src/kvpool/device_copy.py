@@ -336,6 +336,22 @@ class DeviceRing:
         return self.buffer[start : start + nbytes]
 
 
+class EnginePoint:
+    """An event recorded on the engine's current stream, and the thread that recorded it."""
+
+    def __init__(self, event: Event, thread: int) -> None:
+        self.event, self.thread = event, thread
+
+    def record(self, stream: Any) -> None:
+        self.event.record(stream)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
 class BoundEvent:
     """An event whose host waits run with the KV tensors' device current (the loader's thread waits on it)."""
 
@@ -562,7 +578,7 @@ class DeviceCopier:
         V2 zeroing the blocks a load is about to fill, for one) happens before what waits for it."""
         event = self.runtime.new_event()
         event.record(self.runtime.current_stream())
-        return event
+        return EnginePoint(event, threading.get_ident())
 
     def load(
         self,
@@ -603,7 +619,8 @@ class DeviceCopier:
             index_host[keep + begin : keep + end] = np.asarray(rows_picked[begin:end]) - first
         done = runtime.new_event()
         with runtime.use(self.load_stream):
-            runtime.wait(self.load_stream, ready)  # never under the engine's own writes to these blocks
+            # never under the engine's own writes to these blocks
+            runtime.wait(self.load_stream, ready.event if isinstance(ready, EnginePoint) else ready)
             for number, (first, last, begin, end) in enumerate(segments):
                 span, kept = last - first, end - begin
                 rows_bytes = _align(span * block_bytes)
@@ -633,6 +650,10 @@ class DeviceCopier:
                     self.loads.free_after(start, copied)
             if not segments:
                 done.record(self.load_stream)
-        runtime.wait(compute, done)
+        if not isinstance(ready, EnginePoint) or ready.thread == threading.get_ident():
+            # on the engine's thread: its next forward waits for the load on the device. Another thread's
+            # stream (the loader's: the legacy default stream, which vLLM's forward may run on) never
+            # waits: that load is reported finished only once done, and the engine waits for that
+            runtime.wait(compute, done)
         self._hold(done, slot)
         return BoundEvent(done, runtime.bind)

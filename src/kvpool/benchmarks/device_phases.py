@@ -18,31 +18,45 @@ OVERLAP_TARGET = 1.03
 
 
 def round_trip(plan: Plan, trip: RoundTripPlan) -> dict[str, Any]:
-    """Bytes loaded back equal the bytes saved, though the saved blocks were reused right after, in both
-    runners' orders, for both cache layouts, with long device work queued on every stream before each
-    save and load (a missing wait reads or writes too early every time)."""
+    """Bytes loaded back equal the bytes the forward wrote, though the saved blocks were reused right
+    after the save, in both runners' orders, for both cache layouts. Long device work is queued before
+    each save and load so that every missing wait gives wrong bytes, every time:
+
+    - "forward": the forward's write runs late on the compute stream (a gather that does not wait for
+      it reads stale blocks), the device->host copy runs late (a sender that does not wait for it puts
+      stale bytes), the engine's zeroing of the load's blocks runs late (a load that does not wait for
+      the engine's queued work is zeroed after landing);
+    - "reuse": the gather runs late (engine work after the save that does not wait for it overwrites
+      the blocks first), the load's copy runs late (a forward that does not wait for it reads stale)."""
     results: dict[str, Any] = {}
+    late = trip.stall_cycles
     for cache in trip.caches:
         rig = Rig(trip.shape, plan.device, plan.pool_bytes, cache=cache, staging_bytes=plan.staging_bytes)
         try:
             runs = [len(runs) for runs in rig.layout._runs]
             for order in trip.orders:
-                source, target = (rig.blocks(first, count) for first, count in trip.ranges())
-                original = rig.snapshot(source)
-                rig.stall(trip.stall_cycles)
-                _, hashes = rig.save(source, order)
-                assert rig.engine.drain(120.0), "saves did not finish"
-                rig.overwrite(target, 3.0)
-                rig.stall(trip.stall_cycles)
-                rig.load(hashes, target)
-                rig.synchronize()
-                exact = rig.same(original, rig.snapshot(target))
-                results[f"{cache}/{order}"] = {
-                    "chunks": trip.chunks,
-                    "exact": exact,
-                    "loads_failed": rig.engine.stats.chunks_load_failed,
-                    "gather_runs": runs,
-                }
+                for scenario in ("forward", "reuse"):
+                    source, target = (rig.blocks(first, count) for first, count in trip.ranges())
+                    values = rig.payload(source, len(results))
+                    expected = [value.view(rig.torch.int16) for value in values]
+                    rig.stall(late if scenario == "forward" else 0, "compute", "copy")
+                    rig.write(source, values)  # the step's forward
+                    rig.stall(late if scenario == "reuse" else 0, "gather")
+                    _, hashes = rig.save(source, order)
+                    assert rig.engine.drain(120.0), "saves did not finish"
+                    rig.synchronize()
+                    rig.stall(late if scenario == "forward" else 0, "compute")
+                    rig.overwrite(target, 0.0)  # Model Runner V2 zeroes the load's new blocks
+                    rig.stall(late if scenario == "reuse" else 0, "load")
+                    rig.load(hashes, target)
+                    seen = rig.snapshot(target)  # the next forward reads them, on the compute stream
+                    rig.synchronize()
+                    results[f"{cache}/{order}/{scenario}"] = {
+                        "chunks": trip.chunks,
+                        "exact": rig.same(expected, seen),
+                        "loads_failed": rig.engine.stats.chunks_load_failed,
+                        "gather_runs": runs,
+                    }
         finally:
             rig.close()
     results["pass"] = all(entry["exact"] and not entry["loads_failed"] for entry in results.values())

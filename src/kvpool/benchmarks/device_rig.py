@@ -139,17 +139,40 @@ class Rig:
         if self.device != "cpu":
             self.torch.cuda.synchronize()
 
-    def stall(self, cycles: int) -> None:
-        """Queue `cycles` of device sleep on every stream a save or load uses, and on the compute stream:
-        a copy that misses a wait on any of them reads or writes too early, every time."""
+    def stall(self, cycles: int, *streams: str) -> None:
+        """Queue `cycles` of device sleep on the named streams ("compute": the engine's current stream;
+        "gather", "copy", "load": kvpool's): work queued after it on that stream runs late, so a copy
+        that misses a wait on it reads or writes too early, every time."""
         if self.device == "cpu" or not cycles:
             return
         copier = self.layout._copier
         assert copier is not None
-        streams = [self.torch.cuda.current_stream(), copier.gather_stream, copier.copy_stream, copier.load_stream]
-        for stream in streams:
-            with self.torch.cuda.stream(stream):
+        named = {
+            "compute": self.torch.cuda.current_stream(),
+            "gather": copier.gather_stream,
+            "copy": copier.copy_stream,
+            "load": copier.load_stream,
+        }
+        for name in streams:
+            with self.torch.cuda.stream(named[name]):
                 self.torch.cuda._sleep(cycles)
+
+    def payload(self, blocks: list[int], seed: int) -> list[Any]:
+        """Per layer, fresh random values for `blocks` (what a forward would write), ready on the device."""
+        index = self.torch.as_tensor(blocks, device=self.device)
+        generator = self.torch.Generator(device=self.device).manual_seed(seed)
+        values = []
+        for tensor in self.tensors.values():
+            like = tensor.index_select(self.block_dim, index)
+            values.append(self.torch.randn(like.shape, generator=generator, device=self.device, dtype=like.dtype))
+        self.synchronize()
+        return values
+
+    def write(self, blocks: list[int], values: list[Any]) -> None:
+        """The forward writing `blocks`, on the current stream."""
+        index = self.torch.as_tensor(blocks, device=self.device)
+        for tensor, value in zip(self.tensors.values(), values):
+            tensor.index_copy_(self.block_dim, index, value)
 
     def close(self) -> None:
         self.engine.close()
