@@ -164,6 +164,8 @@ class Rank:
     tensors: dict[str, np.ndarray]
     worker: WorkerCore
     epoch: int = 0  # the last reset this rank's worker has seen
+    # what this rank's get_finished / get_block_ids_with_load_errors report later than the other's
+    held: tuple[set[str], set[int], set[str]] = field(default_factory=lambda: (set(), set(), set()))
 
 
 class EngineOracle(RuleBasedStateMachine):
@@ -417,7 +419,7 @@ class EngineOracle(RuleBasedStateMachine):
         reset_after: bool | None,
     ) -> None:
         """Engine steps; a load's chunk lost between lookup and load, or its get failing, on one rank
-        or all; a rank's loader thread lagging a step behind the other's; then maybe a reset
+        or all; a rank reporting its loads a step after the other; then maybe a reset
         (`reset_after`: whether it resets the connector too)."""
         failing = self.ranks if on_ranks == "all" else [self.ranks[0 if on_ranks == "first" else -1]]
         for budget in budgets:
@@ -698,23 +700,32 @@ class EngineOracle(RuleBasedStateMachine):
                 rank.worker.apply(meta.requests)
             rank.worker.save(meta.requests)
             rank.worker.finish(step.finished)
-            if rank.index not in lag:
-                self._let_through(rank, loads_only=True)
+            self._let_through(rank, loads_only=True)
             rank.pool.fail_gets = 0
             done = rank.worker.take_finished_loads()
             failures = rank.worker.take_load_failures()
             assert failures.failed_requests <= done
             if failures.invalid_blocks:
                 assert len(self.kinds) == 1, "vLLM refuses block-level load failures for several groups"
-            outcomes.append((done, failures.invalid_blocks, failures.failed_requests))
+            # a lagging rank reports its loads a step after the other (deterministic, unlike its thread)
+            held = rank.held
+            rank.held = (set(), set(), set())
+            done, invalid, failed = (
+                done | held[0],
+                failures.invalid_blocks | held[1],
+                failures.failed_requests | held[2],
+            )
+            if rank.index in lag:
+                rank.held, done, invalid, failed = (done, invalid, failed), set(), set(), set()
+            outcomes.append((done, invalid, failed))
             # KVOutputAggregator: a load is finished once every rank reported it
             for rid in done:
                 self.recv_counts[rid] += 1
                 if self.recv_counts[rid] == len(self.ranks):
                     del self.recv_counts[rid]
                     step.finished_loads.add(rid)
-            step.invalid_blocks |= failures.invalid_blocks
-            self.failed_pending |= failures.failed_requests
+            step.invalid_blocks |= invalid
+            self.failed_pending |= failed
         step.failed_requests = self.failed_pending & step.finished_loads
         self.failed_pending -= step.failed_requests
         if len(outcomes) > 1 and any(o[1:] != outcomes[0][1:] for o in outcomes):
