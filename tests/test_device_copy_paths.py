@@ -313,3 +313,22 @@ def test_host_waits_on_kvpool_threads_run_bound_to_the_kv_device():
     assert threads - {"MainThread"}, threads
     assert all(bound == "cuda:1" for thread, call, bound in runtime.calls if thread != "MainThread")
     assert np.all(rig.snapshot([1, 2])[0].numpy() == rig.snapshot([3, 4])[0].numpy())
+
+
+def test_a_save_the_sender_has_no_room_for_starts_no_device_copy(monkeypatch):
+    shape = Shape(layers=2, block=16, heads=2, head_dim=8, blocks=BLOCKS)
+    rig = Rig(shape, "cpu", 1 << 22, staging_bytes=1 << 20)
+    try:
+        captures = []
+        real = rig.layout.capture_rows
+        monkeypatch.setattr(rig.layout, "capture_rows", lambda *a, **k: captures.append(a) or real(*a, **k))
+        asked = []
+        monkeypatch.setattr(rig.engine._sender, "has_room", lambda nbytes: asked.append(nbytes) or False)
+        rig.save([1, 2])
+        assert asked == [2 * rig.layout.chunk_nbytes(0)] and captures == []  # checked before any copy starts
+        assert rig.engine.stats.save_jobs_dropped == 1
+        monkeypatch.undo()
+        rig.save([3, 4])
+        assert rig.engine.drain(30.0) and rig.engine.stats.chunks_put == 2
+    finally:
+        rig.close()

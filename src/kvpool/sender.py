@@ -80,6 +80,11 @@ class Sender(Generic[B]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a batch of `nbytes` would be queued now (only the submitting thread adds bytes)."""
+        with self._lock:
+            return not self._closed and not (self._buffered and self._buffered + nbytes > self.buffer_bytes)
+
     def submit(self, batch: B) -> bool:
         """Queue the batch; False (nothing queued) when its bytes do not fit beside the queued ones."""
         with self._lock:

@@ -189,7 +189,11 @@ class WorkerCore:
             self._drop_batch(batch)  # copying out for a pool that refuses calls is wasted; re-planned later
             return
         try:
-            batch.capture(self._layout())
+            layout = self._layout()
+            if not self._sender.has_room(sum(layout.chunk_nbytes(item.group) for item in batch.items)):
+                self._drop_batch(batch)  # no device->host copy started for a batch the sender cannot take
+                return
+            batch.capture(layout)
             self.stats.bytes_captured += batch.nbytes
         except StagingFull:
             self._drop_batch(batch)  # the host staging ring is full of copies in flight: re-planned later
