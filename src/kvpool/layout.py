@@ -4,6 +4,7 @@ block (the CPU backend per instruction set), so bytes are copied block-wise, nev
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from math import prod
@@ -132,7 +133,9 @@ class KVLayout:
             if runtime is None:
                 runtime = InlineRuntime() if _is_host(first) else TorchCuda(first.device)
             self._copier = DeviceCopier(runtime, staging_bytes, device_bytes, min_load_bytes=largest * 8)
+        # the pinned slot under each load's rows (the loader's thread and the engine's both load)
         self._loading: weakref.WeakKeyDictionary[Rows, HostSlot] = weakref.WeakKeyDictionary()
+        self._loading_lock = threading.Lock()
 
     def chunk_nbytes(self, group: int) -> int:
         """The bytes of one block of the group in every layer (without its seal)."""
@@ -224,7 +227,8 @@ class KVLayout:
             slot = self._copier.host_slot(len(ids), self._block_bytes[group], seal_bytes, load=True)
             if slot is not None:
                 rows = Rows(slot.arrays, np.arange(len(ids)))
-                self._loading[rows] = slot
+                with self._loading_lock:
+                    self._loading[rows] = slot
                 return rows
             if not owned:  # the engine's thread never waits for the device: this load is not done
                 break
@@ -268,7 +272,8 @@ class KVLayout:
                 offset += view.shape[1]
             return None
         assert self._copier is not None
-        slot = self._loading.get(rows)
+        with self._loading_lock:
+            slot = self._loading.get(rows)
         if slot is None:
             raise LayoutError("commit_rows: these rows did not come from load_rows of this layout")
         blocks = self._ids(group, [block_ids[index] for index in keep]).tolist()

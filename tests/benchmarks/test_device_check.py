@@ -151,3 +151,28 @@ def test_the_engine_thread_counter_counts_host_waits_on_its_thread_only():
         other.start()
         other.join()
     assert counter.count == 1 and counter.kinds == {"event.synchronize": 1}
+
+
+def test_on_cuda_the_counter_counts_explicit_and_implicit_syncs_of_the_engine_thread_only(monkeypatch):
+    import threading
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    real_sync, shown = torch.cuda.synchronize, warnings.showwarning
+
+    def elsewhere():
+        torch.cuda.synchronize()
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    with SyncCounter(torch, None) as counter:
+        torch.cuda.synchronize()  # explicit, on the engine's thread
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # implicit
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        other.join()
+    assert counter.count == 2 and counter.kinds == {"device.synchronize": 1, "implicit": 1}
+    assert modes == ["warn", 0] and torch.cuda.synchronize is real_sync and warnings.showwarning is shown

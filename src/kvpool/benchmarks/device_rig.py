@@ -221,9 +221,19 @@ class SyncCounter:
             self._wrap(torch.cuda, "synchronize", "device.synchronize")
             self._debug = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
-            self._warnings = warnings.catch_warnings(record=True)
-            self._caught = self._warnings.__enter__()
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
             warnings.simplefilter("always")
+            shown = warnings.showwarning
+
+            def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+                # torch warns on the thread that synchronized: only the engine thread's count
+                if "synchroniz" in str(message).lower():
+                    self._note("implicit")
+                else:
+                    shown(message, category, *args, **kwargs)
+
+            warnings.showwarning = show
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -241,13 +251,7 @@ class SyncCounter:
         for undo in reversed(self._undo):
             undo()
         torch.cuda.set_sync_debug_mode(self._debug)
-        self._warnings.__exit__(None, None, None)
-        # the sync debug mode warns on the thread that synchronized: catch_warnings is process-wide, so
-        # only the engine thread runs CUDA work while a counter is active (the phase's loads run inline)
-        implicit = [w for w in self._caught if "synchroniz" in str(w.message).lower()]
-        if implicit:
-            self.count += len(implicit)
-            self.kinds["implicit"] = self.kinds.get("implicit", 0) + len(implicit)
+        self._warnings.__exit__(None, None, None)  # showwarning back as it was
 
 
 @contextlib.contextmanager
