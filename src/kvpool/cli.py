@@ -290,6 +290,41 @@ def bench_hang(
     _emit(result, as_json, hang.print_table, no_fail)
 
 
+@bench_app.command("breakdown")
+def bench_breakdown(
+    as_json: AsJson = False,
+    rounds: Annotated[int, typer.Option(help="rounds, systems interleaved (medians are reported)", min=1)] = 3,
+    requests: Annotated[int, typer.Option(help="requests per phase and concurrency", min=1)] = 24,
+    concurrencies: Annotated[str, typer.Option(help="requests added together, comma separated")] = "1,4",
+    prompt_tokens: Annotated[int, typer.Option(help="tokens per prompt", min=128)] = 512,
+    max_tokens: Annotated[int, typer.Option(help="tokens generated per request", min=1)] = 8,
+    model: Annotated[str, typer.Option(help="tiny model kind (kvpool.testing.models)")] = "llama-demo",
+    profile: Annotated[bool, typer.Option(help="also one py-spy profile per connector on the hit phase")] = True,
+    switch_interval_ms: Annotated[
+        float | None,
+        typer.Option(help="Python's GIL switch interval for the run, ms [default: unchanged, 5]", min=0.01),
+    ] = None,
+) -> None:
+    """Where a request's time goes, in scheduler steps and ms, on a hit and a miss: kvpool on Mooncake
+    (lookup_wait_ms 0 and default) next to vLLM's MooncakeStoreConnector, same master and placement."""
+    from kvpool.benchmarks import breakdown
+    from kvpool.testing.models import MODEL_KINDS
+
+    if model not in MODEL_KINDS:
+        raise typer.BadParameter(f"{model!r}: expected one of {', '.join(MODEL_KINDS)}", param_hint="--model")
+    result = breakdown.run(
+        rounds=rounds,
+        requests=requests,
+        concurrencies=tuple(_ints("--concurrencies", concurrencies)),
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        model_kind=model,
+        profile=profile,
+        switch_interval_ms=switch_interval_ms,
+    )
+    _emit(result, as_json, breakdown.print_table)
+
+
 @app.command()
 def master(
     host: Annotated[str, typer.Option(help="address the master serves on (clients must reach it)")] = "127.0.0.1",
