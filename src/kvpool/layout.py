@@ -233,7 +233,11 @@ class KVLayout:
             if not owned:  # the engine's thread never waits for the device: this load is not done
                 break
             self._copier.wait_for_load_room()  # the loader's thread: wait for the oldest load copy
-        raise StagingFull(f"{len(ids)} blocks of group {group}: the load share of the host staging ring is full")
+        raise StagingFull(
+            f"{len(ids)} blocks of group {group}: the load share of the host staging ring is full of copies in "
+            "flight (loads on the engine's thread never wait for it: these chunks are recomputed; loads get a "
+            "quarter of save_buffer_bytes)"
+        )
 
     def verify(self, group: int, rows: Rows, statuses: Sequence[Status]) -> list[Status]:
         """`statuses` of a read into `rows` (from `load_rows`), with every chunk whose seal does not

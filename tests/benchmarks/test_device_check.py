@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvpool.benchmarks import device_check, device_phases
-from kvpool.benchmarks.device_plan import BandwidthRow, Plan, Shape, check_plan, dry_plan, gpu_plan
+from kvpool.benchmarks.device_plan import BandwidthRow, Plan, RoundTripPlan, Shape, check_plan, dry_plan, gpu_plan
 from kvpool.benchmarks.device_rig import SyncCounter
 from kvpool.device_copy import InlineRuntime
 
@@ -45,6 +45,13 @@ def test_the_plan_check_catches_the_bandwidth_row_that_crashed_the_first_gpu_run
     checked = check_plan(broken)
     assert not checked["ok"]
     assert any("blocks 1..1024 are outside 1..1023" in problem for problem in checked["problems"])
+
+
+def test_the_plan_check_catches_an_engine_thread_load_larger_than_the_rings_load_share():
+    plan = gpu_plan()
+    broken = Plan(**{**plan.__dict__, "round_trip": RoundTripPlan(plan.round_trip.shape, chunks=256)})
+    problems = check_plan(broken)["problems"]
+    assert any("engine-thread load(s) of 256 chunks" in problem for problem in problems), problems
 
 
 def test_plan_only_checks_every_phase_of_the_gpu_plan_on_the_cpu_without_allocating_it():
