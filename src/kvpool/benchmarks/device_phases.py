@@ -215,7 +215,9 @@ def overlap(plan: Plan, phase: OverlapPlan) -> dict[str, Any]:
         source, target = (rig.blocks(first, count) for first, count in phase.ranges())
         _, seed_hashes = rig.save(source)  # what the loads read
         assert rig.engine.drain(120.0)
-        moved = {"saved": 0, "loaded": 0, "loads": 0}
+        stats = rig.engine.stats
+        before = (stats.bytes_put, stats.bytes_loaded, stats.chunks_load_failed, stats.save_jobs_dropped)
+        moved = {"loads": 0}
         pending: list[str] = []
 
         def step(kind: str) -> None:
@@ -223,12 +225,10 @@ def overlap(plan: Plan, phase: OverlapPlan) -> dict[str, Any]:
                 torch.matmul(a, b, out=out)
             if kind in "BC":
                 rig.save(source)  # after the forward, on the compute stream, as the worker's save hook
-                moved["saved"] += phase.batch * phase.shape.chunk_bytes
             if kind == "C":
                 finished = rig.engine.take_finished_loads()
                 if pending and pending[0] in finished:
                     pending.pop()
-                    moved["loaded"] += phase.batch * phase.shape.chunk_bytes
                     moved["loads"] += 1
                 if not pending:
                     pending.append(rig.start_load(seed_hashes, target))  # copied on the loader's thread
@@ -256,22 +256,25 @@ def overlap(plan: Plan, phase: OverlapPlan) -> dict[str, Any]:
                 assert rig.engine.drain(120.0)
         if pending:
             rig.wait_loaded(pending.pop())
-            moved["loaded"] += phase.batch * phase.shape.chunk_bytes
             moved["loads"] += 1
+        after = (stats.bytes_put, stats.bytes_loaded, stats.chunks_load_failed, stats.save_jobs_dropped)
     finally:
         rig.close()
     medians = {kind: float(np.median(values)) for kind, values in samples.items()}
     slow_saves = medians["B"] / medians["A"]
     slow_both = medians["C"] / medians["A"]
-    ran = moved["saved"] > 0 and moved["loads"] > 0
+    saved, loaded, failed, dropped = (now - then for now, then in zip(after, before))
+    ran = saved > 0 and loaded > 0 and moved["loads"] > 0 and failed == 0
     judged = cuda
     return {
         "median_s": {kind: round(value, 5) for kind, value in medians.items()},
         "slowdown_saves": round(slow_saves, 4),
         "slowdown_saves_and_loads": round(slow_both, 4),
-        "bytes_saved": moved["saved"],
-        "bytes_loaded": moved["loaded"],
+        "bytes_saved": saved,  # put into the pool during the windows
+        "bytes_loaded": loaded,
         "loads": moved["loads"],
+        "chunks_load_failed": failed,
+        "saves_dropped": dropped,  # steps whose save found the ring or the sender full
         "traffic_ran": ran,
         "target": OVERLAP_TARGET,
         "pass": (ran and max(slow_saves, slow_both) <= OVERLAP_TARGET) if judged else (None if ran else False),
