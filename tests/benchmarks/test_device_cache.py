@@ -43,3 +43,29 @@ def test_backing_cache_matches_vllm_create_kv_cache_views(layout_name, ratio):
             view.storage_offset(),
             view.dtype,
         )
+
+
+def test_every_vllm_spec_without_per_layer_views_is_refused_at_start_up_by_name():
+    """Specs whose raw backing buffer vLLM hands the connector as is (no per-layer view): refused by
+    name at start-up (specs.py); a raw buffer that reaches the layout anyway is refused there too."""
+    import inspect
+
+    from kvpool.errors import LayoutError
+    from kvpool.specs import REFUSED_SPECS, SUPPORTED_SPECS, SpecFacts, attention_kind
+
+    raw = []
+    for name, cls in inspect.getmembers(kv_cache_interface, inspect.isclass):
+        if not issubclass(cls, kv_cache_interface.KVCacheSpec):
+            continue
+        prop = inspect.getattr_static(cls, "has_layer_views", None)
+        try:
+            views = prop.fget(None) if isinstance(prop, property) else True
+        except Exception:
+            views = True  # computed from the instance: a spec with views
+        if views is False:
+            raw.append(name)
+    assert raw, "vLLM 0.32 has specs without per-layer views"
+    for name in raw:
+        assert name in REFUSED_SPECS and name not in SUPPORTED_SPECS
+        with pytest.raises(LayoutError, match=name):
+            attention_kind(SpecFacts(name, 16))
