@@ -130,6 +130,23 @@ def test_without_cuda_the_full_check_says_to_use_the_dry_run():
     assert done.returncode == 2 and "--dry-run" in done.stderr
 
 
+def test_without_a_venv_the_script_runs_python3_from_the_path(tmp_path):
+    import shutil
+
+    for part in ("scripts", "src"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {key: value for key, value in ENV.items() if key != "PYTHON"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(
+        [str(tmp_path / "scripts" / "device_check.sh"), "--plan-only"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["verdict"] == "PASS"
+
+
 def test_the_check_needs_only_torch_and_numpy():
     code = (
         "import sys, runpy\n"

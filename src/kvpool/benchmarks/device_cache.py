@@ -88,4 +88,4 @@ def fill_random(torch: Any, tensors: dict[str, Any], seed: int) -> None:
             continue
         seen.add(storage.data_ptr())
         raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-        raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, device=tensor.device, dtype=torch.uint8))
+        raw.random_(0, 256, generator=generator)  # in place: no second cache-sized buffer
