@@ -332,3 +332,18 @@ def test_a_save_the_sender_has_no_room_for_starts_no_device_copy(monkeypatch):
         assert rig.engine.drain(30.0) and rig.engine.stats.chunks_put == 2
     finally:
         rig.close()
+
+
+def test_a_finished_save_frees_its_slot_though_an_older_load_is_still_in_flight():
+    tensors = _cache("backing")
+    layout = _staged(tensors, runtime=_SlowRuntime())
+    copier = layout._copier
+    loading = layout.load_rows(0, [7])
+    layout.commit_rows(0, [7], loading, [True])  # its copy is not done (nobody waited)
+    del loading
+    rows, staged = layout.capture_rows(0, [1, 2])
+    staged.wait()  # the sender waited for the save's copy
+    del rows, staged
+    gc.collect()
+    copier._prune()
+    assert copier.ring.in_use == 0 and copier.load_ring.in_use > 0

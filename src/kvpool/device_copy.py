@@ -506,9 +506,10 @@ class DeviceCopier:
             self._inflight.append((event, rows))
 
     def _prune(self) -> None:
+        """Forget every copy the device has finished (a slow load never holds back a finished save)."""
         with self.runtime.bind(), self._inflight_lock:
-            while self._inflight and self._inflight[0][0].query():
-                self._inflight.popleft()
+            if self._inflight:
+                self._inflight = deque(entry for entry in self._inflight if not entry[0].query())
 
     # ---- saves -------------------------------------------------------------------------------
 
