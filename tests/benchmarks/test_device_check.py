@@ -114,20 +114,40 @@ def test_a_failing_phase_leaves_every_other_phase_json_written_after_each(tmp_pa
     ]
 
 
-def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json(tmp_path):
+def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json_needing_only_torch_and_numpy(tmp_path):
     out = tmp_path / "out.json"
-    done = _script("--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "1", "--out", str(out))
-    assert done.returncode == 3
+    args = ["--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "1", "--out", str(out)]
+    code = (  # the check imports nothing but torch, numpy and kvpool's core: the rest is blocked
+        "import sys, runpy\n"
+        "for name in ('vllm', 'rich', 'typer', 'prometheus_client', 'hypothesis', 'mooncake'):\n"
+        "    sys.modules[name] = None\n"
+        f"sys.argv = ['device_check', *{args!r}]\n"
+        "runpy.run_module('kvpool.benchmarks.device_check', run_name='__main__')\n"
+    )
+    env = {**ENV, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3, done.stderr[-3000:]
     assert "watchdog" in done.stderr and "Thread 0x" in done.stderr and "in wait" in done.stderr
     result = json.loads(out.read_text())
     assert result["verdict"] == "TIMEOUT" and result["phases"]["round_trip"]["pass"] is True
 
 
-def test_without_cuda_the_full_check_says_to_use_the_dry_run():
+def test_isolated_phases_a_hung_phase_is_ended_with_its_stacks_and_the_next_phase_still_runs(tmp_path):
+    out = tmp_path / "out.json"
+    args = ("--dry-run", "--isolate", "yes", "--phases", "hang,round_trip", "--phase-limit-s", "2", "--out", str(out))
+    done = _script(*args)
+    assert done.returncode == 1
+    assert "Timeout" in done.stderr and "in wait" in done.stderr  # the hung child's stacks
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["hang"]["pass"] is False and "time limit" in phases["hang"]["error"]
+    assert phases["round_trip"]["pass"] is True  # in a fresh process
+
+
+def test_without_cuda_the_full_check_says_to_use_the_dry_run(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    done = _script()
-    assert done.returncode == 2 and "--dry-run" in done.stderr
+    assert device_check.main([]) == 2
+    assert "--dry-run" in capsys.readouterr().err
 
 
 def test_without_a_venv_the_script_runs_python3_from_the_path(tmp_path):
@@ -145,24 +165,6 @@ def test_without_a_venv_the_script_runs_python3_from_the_path(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["verdict"] == "PASS"
-
-
-def test_the_check_needs_only_torch_and_numpy():
-    code = (
-        "import sys, runpy\n"
-        "for name in ('vllm', 'rich', 'typer', 'prometheus_client', 'hypothesis', 'mooncake'):\n"
-        "    sys.modules[name] = None\n"
-        "sys.argv = ['device_check', '--dry-run', '--phases', 'round_trip']\n"
-        "runpy.run_module('kvpool.benchmarks.device_check', run_name='__main__')\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**ENV, "PYTHONPATH": str(ROOT / "src")},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_the_engine_thread_counter_counts_host_waits_on_its_thread_only():

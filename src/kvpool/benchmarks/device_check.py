@@ -16,9 +16,11 @@ ranges, sizes, time) comes from `device_plan.py`; the phases from `device_phases
    async loads on the loader's thread), interleaved ABC/CBA windows timed with CUDA events, medians
    slowed by <= 3%; FAIL when the traffic did not run.
 
-Every phase runs on its own: one that fails or raises still leaves every other phase's JSON. The JSON
-goes to stdout at the end and to `--out` after every phase; a watchdog dumps every thread's stack and
-exits (code 3) before the outer budget, with the finished phases' JSON written. `--dry-run` runs the
+Every phase runs on its own: one that fails or raises still leaves every other phase's JSON, and on a
+GPU each phase runs in a process of its own (`--isolate`), so a sticky CUDA error or a hang ends only
+that phase (the child dumps its stacks and exits at its time limit). The JSON goes to stdout at the
+end and to `--out` after every phase; a watchdog dumps every thread's stack and exits (code 3) before
+the outer budget, with the finished phases' JSON written. `--dry-run` runs the
 same phases small on the CPU; `--plan-only` checks the GPU plan on the CPU without allocating it.
 Exit 0 on PASS, 1 on FAIL. `scripts/device_check.sh` runs it.
 """
@@ -29,7 +31,9 @@ import argparse
 import faulthandler
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -105,9 +109,66 @@ def run(plan: Plan, report: Report, phases: list[str]) -> str:
         result["seconds"] = round(time.perf_counter() - began, 1)
         report.phase(name, result)
         print(f"device check: {name}: {result.get('pass')} in {result['seconds']} s", file=sys.stderr)
+    return _verdict(report, phases)
+
+
+def _verdict(report: Report, phases: list[str]) -> str:
     results: dict[str, Any] = report.data["phases"]
     judged = [results[name]["pass"] for name in phases]
     return "PASS" if all(value is not False for value in judged) else "FAIL"
+
+
+PHASE_RESERVE_S = 10.0  # kept back from a phase's limit for the ones after it and the report
+
+
+def run_isolated(dry_run: bool, report: Report, phases: list[str], budget_s: float, phase_limit_s: float) -> str:
+    """Each phase in a process of its own, so a sticky CUDA error or a hang in one phase ends only that
+    phase: the child dumps its stacks and exits at its limit (the time left, less a reserve), and the
+    next phase runs in a fresh process."""
+    deadline = time.monotonic() + budget_s
+    for index, name in enumerate(phases):
+        began = time.perf_counter()
+        after = len(phases) - index - 1  # each phase after this one keeps a reserve
+        limit = min(phase_limit_s, deadline - time.monotonic() - PHASE_RESERVE_S * (1 + after))
+        if limit < 1:
+            report.phase(name, {"pass": False, "error": "no time left in the budget for this phase", "seconds": 0.0})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "phase.json"
+            command = [sys.executable, "-m", "kvpool.benchmarks.device_check", "--phase-child", name]
+            command += ["--phase-out", str(out), "--phase-limit", f"{limit:.1f}"]
+            command += ["--dry-run"] if dry_run else []
+            try:
+                done = subprocess.run(command, stdout=sys.stderr, timeout=limit + 60)  # + start and imports
+                code: int | str = done.returncode
+            except subprocess.TimeoutExpired:
+                code = "killed"
+            if out.exists():
+                result = json.loads(out.read_text())
+            else:
+                why = "hit its time limit (stacks above)" if code in (1, "killed") else "died"
+                result = {"pass": False, "error": f"phase process {why}: exit {code}, limit {limit:.0f} s"}
+        result["seconds"] = round(time.perf_counter() - began, 1)
+        report.phase(name, result)
+        print(f"device check: {name}: {result.get('pass')} in {result['seconds']} s", file=sys.stderr)
+    return _verdict(report, phases)
+
+
+def phase_child(name: str, dry_run: bool, out: Path, limit_s: float) -> int:
+    """One phase in this process: its JSON to `out`; at `limit_s`, every thread's stack and exit 1."""
+    import torch  # noqa: F401  (the interpreter's start and imports are not the phase's time)
+
+    from kvpool.benchmarks.device_phases import run_phase
+
+    faulthandler.dump_traceback_later(limit_s, exit=True)
+    plan = dry_plan() if dry_run else gpu_plan()
+    try:
+        result = run_phase(name, plan)
+    except Exception as exc:
+        result = {"pass": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+    faulthandler.cancel_dump_traceback_later()
+    out.write_text(json.dumps(result, default=str))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the JSON here after every phase")
     parser.add_argument("--phases", help="comma-separated subset of the phases, in order")
     parser.add_argument("--watchdog-s", type=float, help="override the plan's watchdog (seconds)")
+    parser.add_argument(
+        "--isolate",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="each phase in a process of its own (auto: on a GPU, not in a dry run)",
+    )
+    parser.add_argument("--phase-limit-s", type=float, help="isolated phases: each one's limit (default: the plan's)")
+    parser.add_argument("--phase-child", help=argparse.SUPPRESS)
+    parser.add_argument("--phase-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--phase-limit", type=float, default=60.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.phase_child:
+        assert args.phase_out is not None
+        return phase_child(args.phase_child, args.dry_run, args.phase_out, args.phase_limit)
 
     plan = dry_plan() if args.dry_run else gpu_plan()
     checked = check_plan(plan)
@@ -153,9 +227,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report.data, indent=2, default=str))
         print("FAIL (plan)", file=sys.stderr)
         return 1
-    watchdog = start_watchdog(args.watchdog_s or plan.watchdog_s, report)
+    budget = args.watchdog_s or plan.watchdog_s
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and not args.dry_run)
+    report.data["isolated"] = isolate
+    watchdog = start_watchdog(budget, report)
     try:
-        verdict = run(plan, report, phases)
+        if isolate:
+            limit = args.phase_limit_s or plan.phase_limit_s
+            verdict = run_isolated(args.dry_run, report, phases, budget - 5, limit)
+        else:
+            verdict = run(plan, report, phases)
     finally:
         watchdog.cancel()
     report.finish(verdict)

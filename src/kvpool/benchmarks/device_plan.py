@@ -102,6 +102,7 @@ class Plan:
     overlap: OverlapPlan
     budget_s: float = BUDGET_S
     watchdog_s: float = WATCHDOG_S
+    phase_limit_s: float = 80.0  # an isolated phase's process is ended (stacks dumped) after this
     phases: tuple[str, ...] = field(default=("round_trip", "engine_thread", "bandwidth", "overlap"))
 
     def as_json(self) -> dict[str, Any]:
@@ -250,4 +251,7 @@ def check_plan(plan: Plan, load_batch_chunks: int = 64) -> dict[str, Any]:
         estimate = 0.0
     if plan.watchdog_s >= plan.budget_s:
         problems.append("the watchdog must fire before the outer budget")
+    for name, figures in phases.items():
+        if plan.device == "cuda" and figures["estimate_s"] + 15.0 > plan.phase_limit_s:  # + process start, caches
+            problems.append(f"{name}: estimated {figures['estimate_s']} s does not fit the phase limit")
     return {"ok": not problems, "problems": problems, "phases": phases, "estimate_s": round(estimate, 1)}
