@@ -244,7 +244,8 @@ def check_plan(plan: Plan, load_batch_chunks: int = 64) -> dict[str, Any]:
         host = host_base + phases["bandwidth"]["host_pinned_extra"]
         if host > LENT_HOST_BYTES // 2:
             problems.append(f"host memory {host} B exceeds half of the lent machine's")
-        estimate = sum(figures["estimate_s"] for figures in phases.values()) + 20.0  # start, imports, caches
+        # + the parent's start, and per phase its own process (torch import, CUDA context, pinned ring)
+        estimate = sum(figures["estimate_s"] for figures in phases.values()) + 10.0 + 8.0 * len(phases)
         if estimate > plan.watchdog_s:
             problems.append(f"estimated {estimate:.0f} s exceeds the watchdog's {plan.watchdog_s:.0f} s")
     else:
