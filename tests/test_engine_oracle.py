@@ -147,6 +147,10 @@ class FlakyPool(MemoryBackend):
         self._wait()
         return super().put(keys, values)
 
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._wait()  # a save's check before its put: not racing the engine's evictions either
+        return super().exists(keys)
+
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         self._wait()
         if self.fail_gets:
@@ -227,7 +231,11 @@ class EngineOracle(RuleBasedStateMachine):
             )
             self.ranks.append(Rank(index, pool, tensors, worker))
         self.scheduler = SchedulerCore(
-            self.coord, [[space] for space in self.spaces], self.exists, SchedulerConfig(save_decode=True)
+            self.coord,
+            [[space] for space in self.spaces],
+            self.exists,
+            # a lookup's answer is reused for the request until it changes (never by the clock: replayable)
+            SchedulerConfig(save_decode=True, lookup_cache_s=1e9),
         )
         self.policy = self.make_steps(self.scheduler)
         self.version = 0  # the weights: a reset with reset_connector may change them
