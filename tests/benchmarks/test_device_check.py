@@ -202,3 +202,21 @@ def test_on_cuda_the_counter_counts_explicit_and_implicit_syncs_of_the_engine_th
         other.join()
     assert counter.count == 2 and counter.kinds == {"device.synchronize": 1, "implicit": 1}
     assert modes == ["warn", 0] and torch.cuda.synchronize is real_sync and warnings.showwarning is shown
+
+
+def test_the_engine_thread_phase_fails_when_a_load_waits_for_the_gpu_on_that_thread(monkeypatch):
+    from kvpool.device_copy import DeviceCopier
+
+    real = DeviceCopier.load
+
+    def waiting(self, *args, **kwargs):
+        done = real(self, *args, **kwargs)
+        done.synchronize()  # the stall the phase exists to catch
+        return done
+
+    monkeypatch.setattr(DeviceCopier, "load", waiting)
+    result = device_phases.engine_thread(dry_plan(), dry_plan().engine_thread)
+    assert result["pass"] is False
+    for mode in ("off", "full"):
+        assert result[mode]["save"]["syncs"] == 0
+        assert result[mode]["load"]["syncs"] >= 1 and result[mode]["partial_load"]["syncs"] >= 1
