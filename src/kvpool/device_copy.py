@@ -179,6 +179,7 @@ class InlineRuntime:
         self.calls.append((threading.current_thread().name, call, self.bound))
 
     def current_stream(self) -> Any:
+        self.note("current_stream")
         return _Stream("compute", self.log)
 
     def new_stream(self) -> Any:
@@ -186,6 +187,7 @@ class InlineRuntime:
         return _Stream(f"copy{self._streams}", self.log)
 
     def new_event(self) -> Event:
+        self.note("new_event")
         return _DoneEvent(self)
 
     def use(self, stream: Any) -> Any:
@@ -201,9 +203,11 @@ class InlineRuntime:
             self._bound.device = before
 
     def wait(self, stream: Any, event: Event) -> None:
+        self.note("wait")
         self.log.append(("wait", stream.name, id(event)))
 
     def host_buffer(self, nbytes: int) -> Any:
+        self.note("host_buffer")
         return self.torch.empty(nbytes, dtype=self.torch.uint8)
 
     def device_buffer(self, nbytes: int) -> Any:
@@ -516,6 +520,10 @@ class DeviceCopier:
     def save(self, runs: Sequence[RunView], ids: np.ndarray, block_bytes: int, seal_bytes: int = 0) -> Staged | None:
         """Copy blocks `ids` of every run out to host rows of `block_bytes` (and room for seals). None:
         the ring is full of in-flight saves."""
+        with self.runtime.bind():  # every CUDA call below on the KV tensors' device
+            return self._save(runs, ids, block_bytes, seal_bytes)
+
+    def _save(self, runs: Sequence[RunView], ids: np.ndarray, block_bytes: int, seal_bytes: int) -> Staged | None:
         import torch
 
         runtime = self.runtime
@@ -594,6 +602,17 @@ class DeviceCopier:
         default: now, on this thread). Whole runs of slot rows go to the device as contiguous copies
         (segments of the device buffer's size); the rows that arrived are picked there. The current
         stream waits for it on the device; the returned event says when it is done."""
+        with self.runtime.bind():  # on the loader's thread too: every CUDA call on the KV tensors' device
+            return self._load(runs, slot, targets, picks, after)
+
+    def _load(
+        self,
+        runs: Sequence[RunView],
+        slot: HostSlot,
+        targets: Sequence[int],
+        picks: Sequence[int] | None,
+        after: Event | None,
+    ) -> Event:
         import torch
 
         runtime = self.runtime
