@@ -174,7 +174,7 @@ def test_on_the_engine_thread_a_full_load_share_fails_the_load_instead_of_waitin
     tensors = _cache("backing")
     layout = _staged(tensors, staging=64 << 10)
     held = []
-    with pytest.raises(StagingFull, match="load share"):
+    with pytest.raises(StagingFull, match="no room for a load"):
         for _ in range(1000):
             held.append(layout.load_rows(0, [1, 2, 3, 4]))
     del held
@@ -347,3 +347,21 @@ def test_a_finished_save_frees_its_slot_though_an_older_load_is_still_in_flight(
     gc.collect()
     copier._prune()
     assert copier.ring.in_use == 0 and copier.load_ring.in_use > 0
+
+
+def test_a_load_larger_than_its_share_uses_free_save_space_and_saves_never_take_the_load_share():
+    tensors = _cache("backing")
+    layout = _staged(tensors, staging=64 << 10)  # a 24 KiB load share (eight 3 KiB blocks), 40 KiB for saves
+    copier = layout._copier
+    chunk = layout.chunk_nbytes(0)
+    assert copier.load_ring.capacity == 8 * chunk and copier.ring.capacity == (64 << 10) - 8 * chunk
+    big = layout.load_rows(0, list(range(1, 12)))  # 11 blocks: more than the load share
+    assert copier.ring.in_use > 0 and copier.load_ring.in_use == 0
+    del big
+    gc.collect()
+    held = []
+    with pytest.raises(StagingFull):
+        while True:
+            held.append(layout.capture_rows(0, [1, 2]))
+    assert copier.load_ring.in_use == 0  # saves stopped at their share
+    assert layout.load_rows(0, [1, 2, 3, 4]) is not None and 4 * chunk <= copier.load_ring.capacity

@@ -21,8 +21,9 @@ for every ordering; the engine's thread never waits for the device:
 
 Host memory: one pinned buffer (`save_buffer_bytes`; torch's pinned allocator rounds a request up to
 a power of two, so the ring uses the whole rounded allocation), split into a save ring and a load
-ring (a quarter, never less than one batch of the load's chunks fits) so loads never fall back to
-pageable memory because saves filled the ring. A slot holds the blocks' bytes (one contiguous
+ring (a quarter, at least eight blocks): loads take their share first, then free save space, and
+saves never take the loads' share, so loads never fall back to pageable memory because saves filled
+the ring. A slot holds the blocks' bytes (one contiguous
 array), their seals (a column of its own) and the int64 block ids the device uploads from it.
 
 Device memory: a gather buffer for saves and one for loads, each at most `DEVICE_BUFFER_BYTES`
@@ -481,12 +482,20 @@ class DeviceCopier:
         import torch
 
         self._prune()
-        ring = self.load_ring if load else self.ring
         blocks_at = 0
         seals_at = _align(count * block_bytes)
         index_at = seals_at + _align(count * seal_bytes)
-        taken = ring.take(index_at + 2 * count * INDEX_BYTES, "save_buffer_bytes")
+        nbytes = index_at + 2 * count * INDEX_BYTES
+        # loads: their reserved share first, then free space of the saves' share (a load's slot is back
+        # as soon as its copy to the device is done); saves never take the loads' share
+        rings = (self.load_ring, self.ring) if load else (self.ring,)
+        taken, ring = None, rings[0]
+        for ring in rings:
+            if nbytes <= ring.capacity and (taken := ring.take(nbytes, "save_buffer_bytes")) is not None:
+                break
         if taken is None:
+            if all(nbytes > each.capacity for each in rings):
+                rings[-1].take(nbytes, "save_buffer_bytes")  # raises: larger than the ring
             return None
         start, view = taken
         whole = view.numpy()

@@ -234,9 +234,9 @@ class KVLayout:
                 break
             self._copier.wait_for_load_room()  # the loader's thread: wait for the oldest load copy
         raise StagingFull(
-            f"{len(ids)} blocks of group {group}: the load share of the host staging ring is full of copies in "
-            "flight (loads on the engine's thread never wait for it: these chunks are recomputed; loads get a "
-            "quarter of save_buffer_bytes)"
+            f"{len(ids)} blocks of group {group}: the host staging ring has no room for a load among its copies in "
+            "flight (loads on the engine's thread never wait for it: these chunks are recomputed; loads have a "
+            "reserved quarter of save_buffer_bytes and any free save space)"
         )
 
     def verify(self, group: int, rows: Rows, statuses: Sequence[Status]) -> list[Status]:
