@@ -47,9 +47,11 @@ def test_the_plan_check_catches_the_bandwidth_row_that_crashed_the_first_gpu_run
     assert any("blocks 1..1024 are outside 1..1023" in problem for problem in checked["problems"])
 
 
-def test_the_plan_check_catches_an_engine_thread_load_larger_than_the_rings_load_share():
+def test_the_plan_check_catches_an_engine_thread_load_larger_than_the_ring():
     plan = gpu_plan()
-    broken = Plan(**{**plan.__dict__, "round_trip": RoundTripPlan(plan.round_trip.shape, chunks=256)})
+    small_ring = 512 << 20  # 128 MiB for loads, 384 MiB for saves
+    trip = RoundTripPlan(plan.round_trip.shape, chunks=256)  # 512 MiB and ids: more than the whole ring
+    broken = Plan(**{**plan.__dict__, "staging_bytes": small_ring, "round_trip": trip})
     problems = check_plan(broken)["problems"]
     assert any("engine-thread load(s) of 256 chunks" in problem for problem in problems), problems
 

@@ -120,7 +120,7 @@ def gpu_plan() -> Plan:
         device="cuda",
         pool_bytes=4 * GiB,
         staging_bytes=2 * GiB,
-        round_trip=RoundTripPlan(main, chunks=192, stall_cycles=100_000_000),  # ~60 ms of sleep a stream
+        round_trip=RoundTripPlan(main, chunks=256, stall_cycles=100_000_000),  # ~60 ms of sleep a stream
         engine_thread=EngineThreadPlan(main, chunks=64),
         bandwidth=tuple(rows),
         pcie_bytes=GiB,
@@ -170,17 +170,18 @@ def check_plan(plan: Plan, load_batch_chunks: int = 64) -> dict[str, Any]:
 
     def batch_fits(name: str, shape: Shape, chunks: int, sealed: bool = False, inline_loads: int = 1) -> None:
         """`inline_loads`: loads of `chunks` run on the engine's thread, whose pinned slots may all be in
-        flight at once (that thread never waits for one to free); 0: loads on the loader's thread."""
+        flight at once (that thread never waits for one to free), in the load share and the free save
+        share (the phases drain their saves before loading); 0: loads on the loader's thread."""
         save_share, load_share = _ring_shares(plan.staging_bytes, shape.chunk_bytes)
         row = shape.chunk_bytes + (8 if sealed else 0) + 16
         if chunks * row > save_share:
             problems.append(f"{name}: a save of {chunks} chunks ({chunks * row} B) exceeds the ring's save share")
         if min(chunks, load_batch_chunks) * row > load_share:
             problems.append(f"{name}: a load batch exceeds the ring's load share ({load_share} B)")
-        if inline_loads * chunks * row > load_share:
+        if inline_loads * chunks * row > load_share + save_share:
             problems.append(
                 f"{name}: {inline_loads} engine-thread load(s) of {chunks} chunks ({inline_loads * chunks * row} B)"
-                f" exceed the ring's load share ({load_share} B): the last chunks would fail"
+                f" exceed the ring ({load_share + save_share} B): the last chunks would fail"
             )
         if chunks * row > plan.pool_bytes:
             problems.append(f"{name}: {chunks} chunks do not fit the {plan.pool_bytes}-byte pool")
