@@ -14,17 +14,19 @@ for every ordering; the engine's thread never waits for the device:
   and the sender waits for it on its own thread. The gather and the copy are on separate streams, so
   the next step's gather (which the forward waits for) never queues behind this step's copy.
 - **load**: the load stream waits for the engine's work queued when the load started (`after`),
-  copies the whole pinned slot to the device (contiguous), selects the rows that arrived on the
-  device (a partial load), and scatters them into the blocks; the calling thread's current stream
-  waits for `done` on the device, and a load on the loader's thread waits for `done` before it is
-  reported finished.
+  copies whole pinned rows to the device (contiguous), selects the rows that arrived on the device
+  (a partial load), and scatters them into the blocks; on the engine's thread its current stream
+  waits for `done` on the device (the next forward runs after the load), and a load on the loader's
+  thread makes no stream of that thread wait (it may be the legacy default stream the forward runs
+  on): it waits for `done` on the host before the load is reported finished.
 
 Host memory: one pinned buffer (`save_buffer_bytes`; torch's pinned allocator rounds a request up to
 a power of two, so the ring uses the whole rounded allocation), split into a save ring and a load
 ring (a quarter, at least eight blocks): loads take their share first, then free save space, and
 saves never take the loads' share, so loads never fall back to pageable memory because saves filled
-the ring. A slot holds the blocks' bytes (one contiguous
-array), their seals (a column of its own) and the int64 block ids the device uploads from it.
+the ring. A slot holds the blocks' bytes (one contiguous array), their seals (a column of its own)
+and the int64 block ids the device uploads from it (a pinned index ring, in effect). Host waits use
+blocking events (a waiting thread sleeps instead of spinning a core).
 
 Device memory: a gather buffer for saves and one for loads, each at most `DEVICE_BUFFER_BYTES`
 (and no larger than its host ring), allocated when the KV caches are registered, i.e. after vLLM
