@@ -118,7 +118,7 @@ def test_a_failing_phase_leaves_every_other_phase_json_written_after_each(tmp_pa
 
 def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json_needing_only_torch_and_numpy(tmp_path):
     out = tmp_path / "out.json"
-    args = ["--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "1", "--out", str(out)]
+    args = ["--dry-run", "--phases", "round_trip,hang", "--watchdog-s", "2.5", "--out", str(out)]
     code = (  # the check imports nothing but torch, numpy and kvpool's core: the rest is blocked
         "import sys, runpy\n"
         "for name in ('vllm', 'rich', 'typer', 'prometheus_client', 'hypothesis', 'mooncake'):\n"
@@ -136,7 +136,7 @@ def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json_needi
 
 def test_isolated_phases_a_hung_phase_is_ended_with_its_stacks_and_the_next_phase_still_runs(tmp_path):
     out = tmp_path / "out.json"
-    args = ("--dry-run", "--isolate", "yes", "--phases", "hang,round_trip", "--phase-limit-s", "2", "--out", str(out))
+    args = ("--dry-run", "--isolate", "yes", "--phases", "hang,round_trip", "--phase-limit-s", "3", "--out", str(out))
     done = _script(*args)
     assert done.returncode == 1
     assert "Timeout" in done.stderr and "in wait" in done.stderr  # the hung child's stacks
