@@ -1,0 +1,61 @@
+"""The device check's round trip on a simulated CUDA device (device_sim.py: writes queued per stream,
+run in an adversarial order only when the host waits): it passes with kvpool's waits, and fails when
+any one of them is left out, so on a GPU a missing wait gives wrong bytes, not a PASS."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from device_sim import SimRig
+from kvpool.benchmarks import device_phases
+from kvpool.benchmarks.device_plan import Shape, dry_plan
+
+PLAN = dry_plan()
+TRIP = dataclasses.replace(
+    PLAN.round_trip, shape=Shape(layers=2, block=16, heads=2, head_dim=8, blocks=16), chunks=3, stall_cycles=1
+)
+
+BACKING = dataclasses.replace(TRIP, caches=("backing",))  # vLLM 0.32's layout: enough for the mutations
+
+
+def _round_trip(monkeypatch, drop=(), trip=TRIP):
+    rigs = []
+
+    def make(*args, **kwargs):
+        rig = SimRig(*args, **kwargs)
+        rig.sim.drop |= set(drop)
+        rigs.append(rig)
+        return rig
+
+    monkeypatch.setattr(device_phases, "Rig", make)
+    result = device_phases.round_trip(PLAN, trip)
+    assert rigs
+    return result
+
+
+def test_the_round_trip_passes_on_a_simulated_device_with_every_wait():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        result = _round_trip(monkeypatch)
+    assert result["pass"], result
+
+
+@pytest.mark.parametrize(
+    ("missing", "scenario"),
+    [
+        (("gather", "compute"), "forward"),  # the gather does not wait for the forward's write
+        (("compute", "gather"), "reuse"),  # engine work after the save does not wait for the gather
+        (("copy", "gather"), "reuse"),  # the device->host copy does not wait for the gather
+        (("load", "compute"), "forward"),  # the load does not wait for the engine's queued zeroing
+        (("compute", "load"), "reuse"),  # the next forward does not wait for the load
+        (("copy", "host"), "forward"),  # the sender does not wait for the device->host copy
+    ],
+)
+def test_the_round_trip_fails_when_any_one_wait_is_missing(missing, scenario):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        result = _round_trip(monkeypatch, drop=[missing], trip=BACKING)
+    assert result["pass"] is False
+    for cache in BACKING.caches:  # the scenario built for this wait catches it in every cache and order
+        for order in BACKING.orders:
+            assert not result[f"{cache}/{order}/{scenario}"]["exact"], (cache, order)
