@@ -59,3 +59,38 @@ def test_the_round_trip_fails_when_any_one_wait_is_missing(missing, scenario):
     for cache in BACKING.caches:  # the scenario built for this wait catches it in every cache and order
         for order in BACKING.orders:
             assert not result[f"{cache}/{order}/{scenario}"]["exact"], (cache, order)
+
+
+def _segmented(drop=()):
+    import torch
+
+    from device_sim import QueueWrites, SimRuntime
+    from kvpool.backends.memory import MemoryBackend
+    from kvpool.benchmarks.device_cache import backing_cache, fill_random
+    from kvpool.layout import KVLayout
+
+    _, tensors = backing_cache(torch, 3, 12, 16, 2, 8, torch.bfloat16, "cpu")
+    fill_random(torch, tensors, 3)
+    sim = SimRuntime()
+    sim.drop |= set(drop)
+    chunk = 3 * 2 * 16 * 2 * 8 * 2
+    layout = KVLayout(tensors, dict.fromkeys(tensors, 0), 12, staged=True, runtime=sim, device_bytes=2 * chunk + 1024)
+    source, target = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    before = [t[source].clone() for t in tensors.values()]
+    pool = MemoryBackend(1 << 22)
+    keys = [f"k{i}" for i in source]
+    with QueueWrites(sim):
+        rows, staged = layout.capture_rows(0, source)  # three segments through a two-block buffer
+        staged.wait()
+        pool.put(keys, rows)
+        dest = layout.load_rows(0, target)
+        pool.get_into(keys, dest)
+        layout.commit_rows(0, target, dest, [True] * 5)  # three segments too
+        sim.run_all()
+    return all(torch.equal(b.view(torch.int16), t[target].view(torch.int16)) for b, t in zip(before, tensors.values()))
+
+
+def test_saves_and_loads_in_segments_reuse_the_device_buffer_only_after_its_copy():
+    assert _segmented()
+    assert not _segmented(drop=[("gather", "copy")])  # a gather into a slot the copy still reads
+    # (a load's segments are all on the load stream: each waits for the one before by stream order)
