@@ -94,3 +94,12 @@ def test_saves_and_loads_in_segments_reuse_the_device_buffer_only_after_its_copy
     assert _segmented()
     assert not _segmented(drop=[("gather", "copy")])  # a gather into a slot the copy still reads
     # (a load's segments are all on the load stream: each waits for the one before by stream order)
+
+
+def test_the_engine_thread_phase_on_the_simulated_device_loads_and_partially_loads_exactly():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(device_phases, "Rig", SimRig)
+        plan = dataclasses.replace(PLAN, engine_thread=dataclasses.replace(PLAN.engine_thread, shape=TRIP.shape))
+        result = device_phases.engine_thread(plan, plan.engine_thread)
+    for mode in ("off", "full"):
+        assert result[mode]["ok"] and result[mode]["partial_load"]["arrived_exact"], result[mode]

@@ -103,7 +103,15 @@ def engine_thread(plan: Plan, phase: EngineThreadPlan) -> dict[str, Any]:
             failures = rig.engine.take_load_failures()
             calls["partial_load"]["failed_blocks"] = sorted(failures.invalid_blocks)
             rig.synchronize()
-            calls["ok"] = rig.same(rig.snapshot(source), rig.snapshot(target)) and len(failures.invalid_blocks) >= 1
+            gone = len(source) // 2  # the partial load's missing chunk: every other block arrived
+            arrived = [index for index in range(len(source)) if index != gone]
+            expected, seen = rig.snapshot(source), rig.snapshot(target)
+            expected_part = rig.snapshot([source[index] for index in arrived])
+            seen_part = rig.snapshot([partial[index] for index in arrived])
+            rig.synchronize()
+            partial_ok = rig.same(expected_part, seen_part)
+            calls["partial_load"]["arrived_exact"] = partial_ok
+            calls["ok"] = rig.same(expected, seen) and partial_ok and failures.invalid_blocks == {partial[gone]}
             results[mode] = calls
         finally:
             rig.close()
