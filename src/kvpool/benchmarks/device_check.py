@@ -28,9 +28,11 @@ Exit 0 on PASS, 1 on FAIL. `scripts/device_check.sh` runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,6 +82,12 @@ def start_watchdog(seconds: float, report: Report) -> threading.Timer:
     def fire() -> None:
         print(f"device check: watchdog after {seconds:.0f} s; stacks follow", file=sys.stderr)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for child in list(_CHILDREN):  # a phase process still running: its stacks, then it ends
+            with contextlib.suppress(OSError):
+                child.send_signal(signal.SIGABRT)  # faulthandler in the child dumps its stacks
+                child.wait(5)
+            with contextlib.suppress(OSError):
+                child.kill()
         report.data["watchdog"] = f"fired after {seconds:.0f} s"
         report.finish("TIMEOUT")
         print(json.dumps(report.data, indent=2, default=str))
@@ -118,6 +126,7 @@ def _verdict(report: Report, phases: list[str]) -> str:
     return "PASS" if all(value is not False for value in judged) else "FAIL"
 
 
+_CHILDREN: list[subprocess.Popen[bytes]] = []  # the phase process running now, if any
 PHASE_RESERVE_S = 10.0  # kept back from a phase's limit for the ones after it and the report
 
 
@@ -138,11 +147,16 @@ def run_isolated(dry_run: bool, report: Report, phases: list[str], budget_s: flo
             command = [sys.executable, "-m", "kvpool.benchmarks.device_check", "--phase-child", name]
             command += ["--phase-out", str(out), "--phase-limit", f"{limit:.1f}"]
             command += ["--dry-run"] if dry_run else []
+            child = subprocess.Popen(command, stdout=sys.stderr)
+            _CHILDREN.append(child)
             try:
-                done = subprocess.run(command, stdout=sys.stderr, timeout=limit + 60)  # + start and imports
-                code: int | str = done.returncode
+                code: int | str = child.wait(timeout=limit + 60)  # + the child's start and imports
             except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
                 code = "killed"
+            finally:
+                _CHILDREN.remove(child)
             if out.exists():
                 result = json.loads(out.read_text())
             else:
@@ -160,6 +174,7 @@ def phase_child(name: str, dry_run: bool, out: Path, limit_s: float) -> int:
 
     from kvpool.benchmarks.device_phases import run_phase
 
+    faulthandler.enable()  # stacks on a fatal signal (the parent's watchdog sends SIGABRT)
     faulthandler.dump_traceback_later(limit_s, exit=True)
     plan = dry_plan() if dry_run else gpu_plan()
     try:
