@@ -134,12 +134,18 @@ def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json_needi
     assert result["verdict"] == "TIMEOUT" and result["phases"]["round_trip"]["pass"] is True
 
 
-def test_isolated_phases_a_hung_phase_is_ended_with_its_stacks_and_the_next_phase_still_runs(tmp_path):
+def test_isolated_phases_a_hung_phase_is_ended_with_its_stacks_and_the_next_phase_still_runs(tmp_path, capfd):
     out = tmp_path / "out.json"
-    args = ("--dry-run", "--isolate", "yes", "--phases", "hang,round_trip", "--phase-limit-s", "3", "--out", str(out))
-    done = _script(*args)
-    assert done.returncode == 1
-    assert "Timeout" in done.stderr and "in wait" in done.stderr  # the hung child's stacks
+    report = device_check.Report(out, {"dry_run": True})
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("PYTHONPATH", str(ROOT / "src"))  # the phase processes import kvpool from the tree
+    try:
+        verdict = device_check.run_isolated(True, report, ["hang", "round_trip"], budget_s=60, phase_limit_s=3)
+    finally:
+        monkey.undo()
+    assert verdict == "FAIL"
+    err = capfd.readouterr().err
+    assert "Timeout" in err and "in wait" in err  # the hung phase process's stacks
     phases = json.loads(out.read_text())["phases"]
     assert phases["hang"]["pass"] is False and "time limit" in phases["hang"]["error"]
     assert phases["round_trip"]["pass"] is True  # in a fresh process
