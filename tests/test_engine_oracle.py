@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -903,7 +905,7 @@ class EngineOracle(RuleBasedStateMachine):
             self._check_pool()
             assert all(rank.worker.active_requests() == 0 for rank in self.ranks)
             assert self.scheduler.active_requests() == 0
-            for name in ("_local_tokens", "_pending", "_retired", "_cancelled"):
+            for name in ("_local_tokens", "_pending", "_retired", "_cancelled", "_allocated_at"):
                 assert not getattr(self.policy, name, None), f"the scheduler's steps leaked {name}"
             assert not getattr(getattr(self.policy, "loads", None), "_loads", None), "a watched load leaked"
             assert all(not rank.pool._pending for rank in self.ranks), "a reservation leaked"
@@ -946,3 +948,96 @@ TestChunkedLocal = ChunkedLocalOracle.TestCase
 TestHybrid = HybridOracle.TestCase
 TestFullAttention.settings = TestSlidingWindow.settings = ORACLE_SETTINGS
 TestChunkedLocal.settings = TestHybrid.settings = ORACLE_SETTINGS
+
+
+# ---- each route of issue 21, scripted: red on 149e02e (in-step loads), green since every load is async ----
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FullAttentionOracle]]:
+    """A full-attention oracle driven step by step outside hypothesis: one 64-token system prompt
+    stored in the pool by a first request, then the route's own requests."""
+    monkeypatch.setattr(sys.modules[__name__], "event", lambda *args, **kwargs: None)
+    machines: list[FullAttentionOracle] = []
+
+    def build(num_ranks: int = 1, local_cache: bool = True) -> FullAttentionOracle:
+        machine = FullAttentionOracle()
+        machine.setup(
+            sync_saves=True,
+            sync_loads=True,
+            runner="v1",
+            reset_reaches_worker=False,
+            batching="sync",
+            num_ranks=num_ranks,
+            local_cache=local_cache,
+        )
+        machines.append(machine)
+        return machine
+
+    yield build
+    for machine in machines:
+        for rank in machine.ranks:
+            rank.worker.close()
+
+
+SYSTEM_PROMPT = [(7 * i + 3) % VOCAB for i in range(64)]
+
+
+def submit(machine: EngineOracle, tokens: list[int], prompt: int) -> Req:
+    req = Req(f"r{machine.count}", tokens, prompt, prompt, tables=[[] for _ in machine.kinds])
+    machine.count += 1
+    machine.requests[req.rid] = req
+    machine.waiting.append(req)
+    return req
+
+
+def store_system_prompt(machine: EngineOracle) -> None:
+    submit(machine, [*SYSTEM_PROMPT, 1], 64)
+    for _ in range(6):
+        machine.engine_step(96)
+
+
+def test_route_2_a_request_sharing_a_failed_load_in_the_same_pass_never_computes_on_it(scripted) -> None:
+    machine = scripted()
+    store_system_prompt(machine)
+    machine.reset(reset_connector=False)  # the engine's cache forgets the prompt; the pool keeps it
+    submit(machine, [*SYSTEM_PROMPT, *[2] * 30], 84)
+    submit(machine, [*SYSTEM_PROMPT, *[3] * 30], 84)
+    machine.engine_step(200, evict_on=machine.ranks)  # both admitted in one pass; the last chunk is lost
+    for _ in range(8):
+        machine.engine_step(96)
+    machine.teardown()
+
+
+def test_route_3_a_later_request_never_hits_a_block_a_failed_load_left_unwritten(scripted) -> None:
+    machine = scripted()
+    store_system_prompt(machine)
+    machine.reset(reset_connector=False)
+    first = submit(machine, [*SYSTEM_PROMPT, *[2] * 30], 84)
+    machine.engine_step(20, evict_on=machine.ranks)  # its load loses the last chunk
+    machine.finish(first)  # aborted before it recomputes
+    submit(machine, [*SYSTEM_PROMPT, *[3] * 30], 84)
+    for _ in range(8):
+        machine.engine_step(96)
+    machine.teardown()
+
+
+def test_route_4_a_rank_whose_load_succeeded_stores_nothing_computed_with_a_failed_rank(scripted) -> None:
+    machine = scripted(num_ranks=2, local_cache=False)
+    store_system_prompt(machine)
+    submit(machine, [*SYSTEM_PROMPT, *[2] * 30], 84)
+    machine.engine_step(200, evict_on=[machine.ranks[1]])  # the load fails on rank 1 only
+    for _ in range(8):
+        machine.engine_step(96)
+    machine.teardown()
+
+
+def test_a_reset_that_preempts_and_readmits_in_one_pass_keeps_the_readmitted_load(scripted) -> None:
+    machine = scripted()
+    submit(machine, [*SYSTEM_PROMPT, *[1] * 40], 64)
+    for _ in range(20):
+        machine.engine_step(64)
+    machine.reset(reset_connector=False)  # preempted; re-admitted with a pool load in the next pass
+    for _ in range(8):
+        machine.engine_step(96)
+    machine.teardown()
