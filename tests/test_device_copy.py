@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
-from kvpool.device_copy import DeviceCopier, InlineRuntime, StagingFull, StagingRing
+from kvpool.cuda_runtime import InlineRuntime
+from kvpool.device_copy import DeviceCopier, StagingFull
 from kvpool.errors import LayoutError
 from kvpool.integrity import Integrity
 from kvpool.layout import KVLayout
+from kvpool.staging import StagingRing
 
 NUM_BLOCKS = 8
 

@@ -19,18 +19,12 @@ from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
 from kvpool.benchmarks.device_plan import Shape
 from kvpool.benchmarks.device_rig import Rig
-from kvpool.device_copy import (
-    DEVICE_BUFFER_BYTES,
-    DeviceCopier,
-    InlineRuntime,
-    StagingFull,
-    StagingRing,
-    TorchCuda,
-    pinned_bytes,
-)
+from kvpool.cuda_runtime import InlineRuntime, TorchCuda, pinned_bytes
+from kvpool.device_copy import DEVICE_BUFFER_BYTES, DeviceCopier, StagingFull
 from kvpool.errors import LayoutError
 from kvpool.integrity import Integrity
 from kvpool.layout import KVLayout
+from kvpool.staging import StagingRing
 
 BLOCKS = 12
 

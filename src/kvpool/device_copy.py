@@ -38,8 +38,9 @@ still being read by earlier copies, the gather stream waits for them on the devi
 Every CUDA call kvpool makes on its own threads (the loader's, the sender's) runs with the KV
 tensors' device current (`Runtime.bind`), so no rank creates a context on GPU 0.
 
-`Runtime` is what the copier needs from a device runtime: torch's CUDA streams and events, or
-`InlineRuntime` (host tensors, the CPU self-test: every operation completes at once, in order).
+Modules, imported one way: `cuda_runtime` (the `Runtime` the copier drives: torch's CUDA, or
+`InlineRuntime`, host tensors for the CPU self-test) <- `staging` (the pinned `StagingRing` and the
+`DeviceRing`) <- this module (slots, the KV byte runs and the `DeviceCopier`) <- `layout`.
 """
 
 from __future__ import annotations
@@ -50,331 +51,16 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from kvpool.errors import LayoutError
+from kvpool.cuda_runtime import BoundEvent, EnginePoint, Event, Runtime
+from kvpool.staging import ALIGN, DeviceRing, StagingRing, align
 
 DEVICE_BUFFER_BYTES = 128 << 20  # each of the two device buffers (gather, load), at most
 LOAD_SHARE = 4  # loads get 1/LOAD_SHARE of the pinned ring
-ALIGN = 256  # slot starts, in bytes: int64 index views and coalesced device copies need alignment
 INDEX_BYTES = 8  # one int64 block id
-
-
-class Event(Protocol):
-    def record(self, stream: Any) -> None: ...
-    def synchronize(self) -> None: ...
-    def query(self) -> bool: ...
-
-
-class Runtime(Protocol):
-    device: Any
-
-    def current_stream(self) -> Any: ...
-    def new_stream(self) -> Any: ...
-    def new_event(self) -> Event: ...
-    def use(self, stream: Any) -> Any:
-        """A context manager making `stream` (and its device) current on this thread."""
-        ...
-
-    def bind(self) -> Any:
-        """A context manager making the KV tensors' device current on this thread."""
-        ...
-
-    def wait(self, stream: Any, event: Event) -> None:
-        """`stream` runs nothing queued after this until `event` has happened (no host wait)."""
-        ...
-
-    def host_buffer(self, nbytes: int) -> Any:
-        """A host byte tensor allocated once (pinned on CUDA)."""
-        ...
-
-    def device_buffer(self, nbytes: int) -> Any:
-        """A device byte tensor allocated once."""
-        ...
-
-
-def pinned_bytes(nbytes: int) -> int:
-    """What torch's pinned (CachingHostAllocator) allocation of `nbytes` really takes: the next power of two."""
-    return 1 << max(0, (int(nbytes) - 1).bit_length())
-
-
-class TorchCuda:
-    """The CUDA runtime through torch, bound to the KV tensors' device."""
-
-    def __init__(self, device: Any = None, torch: Any = None) -> None:
-        if torch is None:
-            import torch
-        self.torch = torch
-        self.device = torch.device(device if device is not None else "cuda")
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-
-    def current_stream(self) -> Any:
-        return self.torch.cuda.current_stream(self.device)
-
-    def new_stream(self) -> Any:
-        return self.torch.cuda.Stream(device=self.device)
-
-    def new_event(self) -> Event:
-        # blocking: a host wait on it sleeps instead of spinning a core
-        event: Event = self.torch.cuda.Event(blocking=True)
-        return event
-
-    def use(self, stream: Any) -> Any:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.torch.cuda.device(self.device))
-        stack.enter_context(self.torch.cuda.stream(stream))
-        return stack
-
-    def bind(self) -> Any:
-        return self.torch.cuda.device(self.device)
-
-    def wait(self, stream: Any, event: Event) -> None:
-        stream.wait_event(event)
-
-    def host_buffer(self, nbytes: int) -> Any:
-        # the pinned allocator rounds up to a power of two: use all of what is taken anyway
-        return self.torch.empty(pinned_bytes(nbytes), dtype=self.torch.uint8, pin_memory=True)
-
-    def device_buffer(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
-
-
-class _DoneEvent:
-    def __init__(self, runtime: InlineRuntime) -> None:
-        self.runtime = runtime
-
-    def record(self, stream: Any) -> None:
-        if hasattr(stream, "log"):
-            stream.log.append(("record", stream.name, id(self)))
-
-    def synchronize(self) -> None:
-        self.runtime.note("synchronize")
-
-    def query(self) -> bool:
-        self.runtime.note("query")
-        return True
-
-
-class InlineRuntime:
-    """Host tensors: operations run at once, in program order, so every event has happened when
-    recorded. Streams keep a log of the waits and records (what the unit tests check); `bound` says,
-    per thread, which device `bind`/`use` made current, and `calls` notes (thread, call, bound device)
-    for every host-side event call (what the device-binding and engine-thread tests check)."""
-
-    def __init__(self, device: str = "cpu") -> None:
-        import torch
-
-        self.torch = torch
-        self.device = device
-        self.log: list[tuple[str, str, int]] = []
-        self.calls: list[tuple[str, str, str | None]] = []
-        self._bound = threading.local()
-        self._streams = 0
-
-    @property
-    def bound(self) -> str | None:
-        return getattr(self._bound, "device", None)
-
-    def note(self, call: str) -> None:
-        self.calls.append((threading.current_thread().name, call, self.bound))
-
-    def current_stream(self) -> Any:
-        self.note("current_stream")
-        return _Stream("compute", self.log)
-
-    def new_stream(self) -> Any:
-        self._streams += 1
-        return _Stream(f"copy{self._streams}", self.log)
-
-    def new_event(self) -> Event:
-        self.note("new_event")
-        return _DoneEvent(self)
-
-    def use(self, stream: Any) -> Any:
-        return _Using(stream, self.log, self)
-
-    @contextlib.contextmanager
-    def bind(self) -> Any:
-        before = self.bound
-        self._bound.device = self.device
-        try:
-            yield
-        finally:
-            self._bound.device = before
-
-    def wait(self, stream: Any, event: Event) -> None:
-        self.note("wait")
-        self.log.append(("wait", stream.name, id(event)))
-
-    def host_buffer(self, nbytes: int) -> Any:
-        self.note("host_buffer")
-        return self.torch.empty(nbytes, dtype=self.torch.uint8)
-
-    def device_buffer(self, nbytes: int) -> Any:
-        return self.torch.empty(nbytes, dtype=self.torch.uint8)
-
-
-@dataclass(frozen=True)
-class _Stream:
-    name: str
-    log: list[tuple[str, str, int]]
-
-
-class _Using:
-    def __init__(self, stream: _Stream, log: list[tuple[str, str, int]], runtime: InlineRuntime) -> None:
-        self.stream, self.log, self.runtime = stream, log, runtime
-        self._binding: Any = None
-
-    def __enter__(self) -> None:
-        self._binding = self.runtime.bind()
-        self._binding.__enter__()
-        self.log.append(("use", self.stream.name, 0))
-
-    def __exit__(self, *exc: object) -> None:
-        self.log.append(("leave", self.stream.name, 0))
-        self._binding.__exit__(*exc)
-
-
-def _align(nbytes: int) -> int:
-    return -(-int(nbytes) // ALIGN) * ALIGN
-
-
-def _place(slots: deque[list[Any]], head: int, capacity: int, nbytes: int) -> int | None:
-    """Where a slot of `nbytes` goes in a ring whose slots still out are `slots` (oldest first)."""
-    if not slots:
-        return 0
-    tail = slots[0][0]  # the oldest slot still out
-    if slots[-1][0] >= tail:  # not wrapped: free is [head, capacity) and [0, tail)
-        if head + nbytes <= capacity:
-            return head
-        return 0 if nbytes <= tail else None
-    return head if head + nbytes <= tail else None  # wrapped: free is [head, tail)
-
-
-class StagingRing:
-    """Slots of one host buffer, taken at the head, reused once every older slot is back.
-
-    The lock is re-entrant: a slot goes back when its array is freed, and a finalizer can run in any
-    allocation, including one made while this thread holds the lock."""
-
-    def __init__(self, buffer: Any) -> None:
-        self.buffer = buffer  # a 1-D uint8 tensor (pinned on CUDA)
-        self.capacity = int(buffer.numel())
-        self._lock = threading.RLock()
-        self._slots: deque[list[Any]] = deque()  # [start, end, returned] in the order taken
-        self._head = 0
-
-    def take(self, nbytes: int, setting: str = "save_buffer_bytes") -> tuple[int, Any] | None:
-        """(start, 1-D view of nbytes) or None while in-flight slots fill the ring."""
-        if nbytes > self.capacity:
-            raise LayoutError(
-                f"a batch of {nbytes} bytes does not fit the {self.capacity}-byte host staging ring "
-                f"({setting}): raise {setting}, or lower put_batch_chunks"
-            )
-        with self._lock:
-            start = _place(self._slots, self._head, self.capacity, nbytes)
-            if start is None:
-                return None
-            self._slots.append([start, start + nbytes, 0])
-            self._head = _align(start + nbytes)
-        return start, self.buffer[start : start + nbytes]
-
-    def give_back(self, start: int) -> None:
-        with self._lock:
-            for slot in self._slots:
-                if slot[0] == start and not slot[2]:
-                    slot[2] = 1
-                    break
-            while self._slots and self._slots[0][2]:
-                self._slots.popleft()
-            if not self._slots:
-                self._head = 0
-
-    @property
-    def in_use(self) -> int:
-        with self._lock:
-            return sum(end - start for start, end, returned in self._slots if not returned)
-
-
-class DeviceRing:
-    """Slots of one device buffer, each free again once the event it was given has happened. It never
-    refuses: with no room, the stream that will write the new slot waits (on the device) for the oldest
-    slots' events, so a batch larger than the buffer goes in segments that reuse it in turn."""
-
-    def __init__(self, runtime: Runtime, nbytes: int) -> None:
-        self.runtime = runtime
-        self.capacity = _align(max(ALIGN, nbytes))
-        self.buffer = runtime.device_buffer(self.capacity)
-        self._lock = threading.RLock()
-        self._slots: deque[list[Any]] = deque()  # [start, end, event or None] in the order taken
-        self._head = 0
-        self.device_waits = 0  # times a writer had to wait on the device for room
-
-    def take(self, nbytes: int, stream: Any) -> int:
-        """The start of a slot of `nbytes`; `stream` (which writes it) waits for room on the device."""
-        nbytes = _align(nbytes)
-        if nbytes > self.capacity:
-            raise LayoutError(f"{nbytes} bytes do not fit the {self.capacity}-byte device buffer")
-        with self._lock:
-            while self._slots and self._slots[0][2] is not None and self._slots[0][2].query():
-                self._slots.popleft()
-            while (start := _place(self._slots, self._head if self._slots else 0, self.capacity, nbytes)) is None:
-                _, _, event = self._slots.popleft()
-                if event is None:  # pragma: no cover - a slot is given its event in the call that took it
-                    raise LayoutError("a device buffer slot was reused before its copy was queued")
-                self.runtime.wait(stream, event)  # the device waits for the copy reading it; never the host
-                self.device_waits += 1
-            self._slots.append([start, start + nbytes, None])
-            self._head = start + nbytes
-        return start
-
-    def free_after(self, start: int, event: Event) -> None:
-        """The slot at `start` is free once `event` has happened."""
-        with self._lock:
-            for slot in reversed(self._slots):
-                if slot[0] == start and slot[2] is None:
-                    slot[2] = event
-                    return
-
-    def view(self, start: int, nbytes: int) -> Any:
-        return self.buffer[start : start + nbytes]
-
-
-class EnginePoint:
-    """An event recorded on the engine's current stream, and the thread that recorded it."""
-
-    def __init__(self, event: Event, thread: int) -> None:
-        self.event, self.thread = event, thread
-
-    def record(self, stream: Any) -> None:
-        self.event.record(stream)
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-
-    def query(self) -> bool:
-        return self.event.query()
-
-
-class BoundEvent:
-    """An event whose host waits run with the KV tensors' device current (the loader's thread waits on it)."""
-
-    def __init__(self, event: Event, bind: Callable[[], Any]) -> None:
-        self.event, self._bind = event, bind
-
-    def record(self, stream: Any) -> None:
-        self.event.record(stream)
-
-    def synchronize(self) -> None:
-        with self._bind():
-            self.event.synchronize()
-
-    def query(self) -> bool:
-        with self._bind():
-            return self.event.query()
 
 
 class StagingFull(Exception):
@@ -461,7 +147,7 @@ class DeviceCopier:
         with runtime.bind():
             buffer = runtime.host_buffer(ring_bytes)
             total = int(buffer.numel())
-            load = min(total // 2, max(total // LOAD_SHARE, _align(min_load_bytes)))
+            load = min(total // 2, max(total // LOAD_SHARE, align(min_load_bytes)))
             load -= load % ALIGN
             self.ring = StagingRing(buffer[: total - load])  # saves
             self.load_ring = StagingRing(buffer[total - load :])  # loads: never crowded out by saves
@@ -485,8 +171,8 @@ class DeviceCopier:
 
         self._prune()
         blocks_at = 0
-        seals_at = _align(count * block_bytes)
-        index_at = seals_at + _align(count * seal_bytes)
+        seals_at = align(count * block_bytes)
+        index_at = seals_at + align(count * seal_bytes)
         nbytes = index_at + 2 * count * INDEX_BYTES
         # loads: their reserved share first, then free space of the saves' share (a load's slot is back
         # as soon as its copy to the device is done); saves never take the loads' share
@@ -554,9 +240,9 @@ class DeviceCopier:
             gathered = runtime.new_event()
             with runtime.use(self.gather_stream):
                 runtime.wait(self.gather_stream, written)
-                start = self.gather.take(_align(part * block_bytes) + part * INDEX_BYTES, self.gather_stream)
+                start = self.gather.take(align(part * block_bytes) + part * INDEX_BYTES, self.gather_stream)
                 rows = self.gather.view(start, part * block_bytes).view(part, block_bytes)
-                index_at = start + _align(part * block_bytes)
+                index_at = start + align(part * block_bytes)
                 index = self.gather.view(index_at, part * INDEX_BYTES).view(torch.int64)
                 index.copy_(slot.index_tensor[first : first + part], non_blocking=True)  # from pinned memory
                 offset = 0
@@ -654,8 +340,8 @@ class DeviceCopier:
             runtime.wait(self.load_stream, ready.event if isinstance(ready, EnginePoint) else ready)
             for number, (first, last, begin, end) in enumerate(segments):
                 span, kept = last - first, end - begin
-                rows_bytes = _align(span * block_bytes)
-                picked_bytes = _align(kept * block_bytes) if partial else 0
+                rows_bytes = align(span * block_bytes)
+                picked_bytes = align(kept * block_bytes) if partial else 0
                 start = self.loads.take(rows_bytes + picked_bytes + 2 * kept * INDEX_BYTES, self.load_stream)
                 rows = self.loads.view(start, span * block_bytes).view(span, block_bytes)
                 rows.copy_(slot.blocks_tensor[first:last], non_blocking=True)  # pinned, contiguous

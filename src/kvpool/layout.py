@@ -14,17 +14,14 @@ import numpy as np
 
 from kvpool.backends.base import Rows, Status, _bounds
 from kvpool.buffers import as_u8
+from kvpool.cuda_runtime import Event, InlineRuntime, Runtime, TorchCuda
 from kvpool.device_copy import (
     DEVICE_BUFFER_BYTES,
     DeviceCopier,
-    Event,
     HostSlot,
-    InlineRuntime,
-    Runtime,
     RunView,
     Staged,
     StagingFull,
-    TorchCuda,
     byte_runs,
 )
 from kvpool.errors import LayoutError

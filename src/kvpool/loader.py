@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.backends.base import Backend, Rows, Status
 from kvpool.chunks import ChunkRef
-from kvpool.device_copy import Event
+from kvpool.cuda_runtime import Event
 from kvpool.layout import KVLayout
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 from kvpool.benchmarks import device_check, device_phases
 from kvpool.benchmarks.device_plan import BandwidthRow, Plan, RoundTripPlan, Shape, check_plan, dry_plan, gpu_plan
 from kvpool.benchmarks.device_rig import SyncCounter
-from kvpool.device_copy import InlineRuntime
+from kvpool.cuda_runtime import InlineRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "device_check.sh")

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpool.device_copy import DEVICE_BUFFER_BYTES, LOAD_SHARE, pinned_bytes
+from kvpool.cuda_runtime import pinned_bytes
+from kvpool.device_copy import DEVICE_BUFFER_BYTES, LOAD_SHARE
 
 GiB = 1 << 30
 MiB = 1 << 20

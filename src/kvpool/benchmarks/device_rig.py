@@ -15,7 +15,7 @@ from typing import Any
 from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
 from kvpool.benchmarks.device_plan import Shape
-from kvpool.device_copy import InlineRuntime, Runtime
+from kvpool.cuda_runtime import InlineRuntime, Runtime
 from kvpool.integrity import Integrity
 from kvpool.keys import KeySpace, LayoutFingerprint
 from kvpool.layout import KVLayout
