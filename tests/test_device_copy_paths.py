@@ -359,3 +359,45 @@ def test_a_load_larger_than_its_share_uses_free_save_space_and_saves_never_take_
             held.append(layout.capture_rows(0, [1, 2]))
     assert copier.load_ring.in_use == 0  # saves stopped at their share
     assert layout.load_rows(0, [1, 2, 3, 4]) is not None and 4 * chunk <= copier.load_ring.capacity
+
+
+def test_loads_on_the_loaders_thread_and_the_engines_at_once_share_the_device_load_buffer_safely(monkeypatch):
+    # the loader's thread has taken the device load buffer's slot and not yet queued its copy when the
+    # engine's thread loads too and needs that room: it must not take the slot over (nor fail)
+    tensors = _cache("backing")
+    layout = _staged(tensors, device_bytes=4096)  # room for one block's load segment at a time
+    copier = layout._copier
+    pool = MemoryBackend(1 << 20)
+    rows, staged = layout.capture_rows(0, [1, 2])
+    staged.wait()
+    pool.put(["a", "b"], rows)
+    taken, engine_done = threading.Event(), threading.Event()
+    real_take = copier.loads.take
+
+    def take(nbytes, stream):
+        start = real_take(nbytes, stream)
+        if threading.current_thread().name == "loader":
+            taken.set()
+            engine_done.wait(1.5)  # the engine's load runs now, unless it has to wait for this one
+        return start
+
+    monkeypatch.setattr(copier.loads, "take", take)
+    errors = []
+
+    def load(key, block):
+        try:
+            dest = layout.load_rows(0, [block], owned=True)
+            pool.get_into([key], dest)
+            layout.commit_rows(0, [block], dest, [True]).synchronize()
+        except Exception as exc:  # pragma: no cover - the failure this test is for
+            errors.append(exc)
+
+    loader = threading.Thread(target=load, args=("a", 7), name="loader")
+    loader.start()
+    assert taken.wait(10)
+    load("b", 8)
+    engine_done.set()
+    loader.join(10)
+    assert errors == []
+    for got, want in zip(_bits(tensors, [7, 8], 0), _bits(tensors, [1, 2], 0)):
+        assert torch.equal(got, want)

@@ -161,6 +161,11 @@ class DeviceCopier:
         # back to the ring only once its copy is done, even if every caller dropped it before
         self._inflight: deque[tuple[Event, Any]] = deque()
         self._inflight_lock = threading.Lock()
+        # a device ring's slot gets its event only after its copies are queued: one thread at a time
+        # per ring from `take` to `free_after` (the loader's thread and the engine's both load), or
+        # another would take the slot over (only host work is done under these: never a host wait)
+        self._gather_lock = threading.Lock()
+        self._load_lock = threading.Lock()
 
     # ---- host slots --------------------------------------------------------------------------
 
@@ -217,7 +222,7 @@ class DeviceCopier:
     def save(self, runs: Sequence[RunView], ids: np.ndarray, block_bytes: int, seal_bytes: int = 0) -> Staged | None:
         """Copy blocks `ids` of every run out to host rows of `block_bytes` (and room for seals). None:
         the ring is full of in-flight saves."""
-        with self.runtime.bind():  # every CUDA call below on the KV tensors' device
+        with self.runtime.bind(), self._gather_lock:  # every CUDA call below on the KV tensors' device
             return self._save(runs, ids, block_bytes, seal_bytes)
 
     def _save(self, runs: Sequence[RunView], ids: np.ndarray, block_bytes: int, seal_bytes: int) -> Staged | None:
@@ -299,7 +304,7 @@ class DeviceCopier:
         default: now, on this thread). Whole runs of slot rows go to the device as contiguous copies
         (segments of the device buffer's size); the rows that arrived are picked there. The current
         stream waits for it on the device; the returned event says when it is done."""
-        with self.runtime.bind():  # on the loader's thread too: every CUDA call on the KV tensors' device
+        with self.runtime.bind(), self._load_lock:  # on the loader's thread too: every CUDA call bound
             return self._load(runs, slot, targets, picks, after)
 
     def _load(
