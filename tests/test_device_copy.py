@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
+from kvpool.benchmarks.device_rig import staged_layout
 from kvpool.cuda_runtime import InlineRuntime
 from kvpool.device_copy import DeviceCopier, StagingFull
 from kvpool.errors import LayoutError
 from kvpool.integrity import Integrity
-from kvpool.layout import KVLayout
 from kvpool.staging import StagingRing
 
 NUM_BLOCKS = 8
@@ -60,16 +60,7 @@ def _layout(runtime: InlineRuntime | None = None, integrity: Integrity = Integri
     tensors = {
         f"layer{i}": torch.from_numpy(rng.integers(0, 256, (2, NUM_BLOCKS, 256), dtype=np.uint8)) for i in range(2)
     }
-    layout = KVLayout(
-        tensors,
-        dict.fromkeys(tensors, 0),
-        NUM_BLOCKS,
-        staged=True,
-        integrity=integrity,
-        staging_bytes=staging,
-        runtime=runtime,
-    )
-    return layout, tensors
+    return staged_layout(tensors, NUM_BLOCKS, integrity, staging, runtime), tensors
 
 
 def test_a_save_gathers_after_the_forward_and_copies_on_another_stream_the_engine_waits_only_for_the_gather():

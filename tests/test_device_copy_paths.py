@@ -18,7 +18,7 @@ from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
 from kvpool.benchmarks.device_plan import Shape
-from kvpool.benchmarks.device_rig import Rig
+from kvpool.benchmarks.device_rig import Rig, staged_layout
 from kvpool.cuda_runtime import InlineRuntime, TorchCuda, pinned_bytes
 from kvpool.device_copy import DEVICE_BUFFER_BYTES, DeviceCopier, StagingFull
 from kvpool.errors import LayoutError
@@ -39,16 +39,7 @@ def _cache(kind: str, dtype=torch.bfloat16, layout: str = "LBNHC", ratio: int = 
 
 
 def _staged(tensors, integrity=Integrity.OFF, staging=1 << 20, device_bytes=DEVICE_BUFFER_BYTES, runtime=None):
-    return KVLayout(
-        tensors,
-        dict.fromkeys(tensors, 0),
-        BLOCKS,
-        staged=True,
-        integrity=integrity,
-        staging_bytes=staging,
-        device_bytes=device_bytes,
-        runtime=runtime or InlineRuntime(),
-    )
+    return staged_layout(tensors, BLOCKS, integrity, staging, runtime or InlineRuntime(), device_bytes)
 
 
 def _bits(tensors, blocks, dim):

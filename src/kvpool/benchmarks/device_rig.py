@@ -16,13 +16,35 @@ from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
 from kvpool.benchmarks.device_plan import Shape
 from kvpool.cuda_runtime import InlineRuntime, Runtime
+from kvpool.device_copy import DEVICE_BUFFER_BYTES
 from kvpool.integrity import Integrity
 from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.layout import KVLayout
+from kvpool.layout import DEFAULT_STAGING_BYTES, KVLayout
 from kvpool.masks import FullAttention, MaskCoordinator
 from kvpool.metadata import LoadSpec, RequestDelta
 from kvpool.plan import GroupPlacement
 from kvpool.worker import WorkerConfig, WorkerCore
+
+
+def staged_layout(
+    tensors: dict[str, Any],
+    num_blocks: int,
+    integrity: Integrity = Integrity.OFF,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    runtime: Runtime | None = None,
+    device_bytes: int = DEVICE_BUFFER_BYTES,
+) -> KVLayout:
+    """The layout over `tensors` (one KV cache group) through the device copy path, host tensors too."""
+    return KVLayout(
+        tensors,
+        dict.fromkeys(tensors, 0),
+        num_blocks,
+        staged=True,
+        integrity=integrity,
+        staging_bytes=staging_bytes,
+        runtime=runtime,
+        device_bytes=device_bytes,
+    )
 
 
 class Rig:
@@ -57,15 +79,7 @@ class Rig:
             raise ValueError(f"cache {cache!r}: expected 'backing' or 'per_layer'")
         fill_random(torch, self.tensors, shape.layers)
         staging = staging_bytes if staging_bytes is not None else pool_bytes
-        self.layout = KVLayout(
-            self.tensors,
-            dict.fromkeys(self.tensors, 0),
-            shape.blocks,
-            staged=True,
-            staging_bytes=staging,
-            integrity=integrity,
-            runtime=runtime,
-        )
+        self.layout = staged_layout(self.tensors, shape.blocks, integrity, staging, runtime)
         self.pool = MemoryBackend(pool_bytes)
         kind = FullAttention(shape.block)
         space = KeySpace(LayoutFingerprint("device-check", "bf16", shape.block, device, chunk_bytes=shape.chunk_bytes))
