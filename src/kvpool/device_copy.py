@@ -49,7 +49,7 @@ import contextlib
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,31 +250,28 @@ class DeviceCopier:
                 index_at = start + align(part * block_bytes)
                 index = self.gather.view(index_at, part * INDEX_BYTES).view(torch.int64)
                 index.copy_(slot.index_tensor[first : first + part], non_blocking=True)  # from pinned memory
-                offset = 0
-                for run in runs:
-                    target = rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
+                for run, target in _run_columns(rows, runs):
                     self._index_select(run.view, index, target)
-                    offset += run.nbytes
                 gathered.record(self.gather_stream)
             last_gathered = gathered
             with runtime.use(self.copy_stream):
                 runtime.wait(self.copy_stream, gathered)
                 # whole contiguous rows into a contiguous pinned slot: an asynchronous copy
                 slot.blocks_tensor[first : first + part].copy_(rows, non_blocking=True)
-                if first + part == count:
-                    done.record(self.copy_stream)
-                else:
-                    copied = runtime.new_event()
-                    copied.record(self.copy_stream)
-                    self.gather.free_after(start, copied)
-                    continue
-            self.gather.free_after(start, done)
+                self._free_after_queued(self.gather, start, self.copy_stream, done, first + part == count)
         if last_gathered is None:  # nothing to copy
             done.record(compute)
         else:
             runtime.wait(compute, last_gathered)  # later engine work on these blocks waits for the gather
         self._hold(done, slot)
         return Staged(slot.blocks, done, bind=runtime.bind, seals=slot.seals)
+
+    def _free_after_queued(self, ring: DeviceRing, start: int, stream: Any, done: Event, last: bool) -> None:
+        """The device slot at `start` is free once `stream` has run what it queued so far; the event
+        recorded for that is `done` (the whole batch's) for its last segment."""
+        event = done if last else self.runtime.new_event()
+        event.record(stream)
+        ring.free_after(start, event)
 
     @staticmethod
     def _index_select(source: Any, index: Any, out: Any) -> None:
@@ -358,18 +355,9 @@ class DeviceCopier:
                     picked = self.loads.view(start + rows_bytes, kept * block_bytes).view(kept, block_bytes)
                     self._index_select(rows, index[kept:], picked)
                     rows = picked
-                offset = 0
-                for run in runs:
-                    part = rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
+                for run, part in _run_columns(rows, runs):
                     run.view.index_copy_(0, index[:kept], part)
-                    offset += run.nbytes
-                if number == len(segments) - 1:
-                    done.record(self.load_stream)
-                    self.loads.free_after(start, done)
-                else:
-                    copied = runtime.new_event()
-                    copied.record(self.load_stream)
-                    self.loads.free_after(start, copied)
+                self._free_after_queued(self.loads, start, self.load_stream, done, number == len(segments) - 1)
             if not segments:
                 done.record(self.load_stream)
         if not isinstance(ready, EnginePoint) or ready.thread == threading.get_ident():
@@ -379,3 +367,11 @@ class DeviceCopier:
             runtime.wait(compute, done)
         self._hold(done, slot)
         return BoundEvent(done, runtime.bind)
+
+
+def _run_columns(rows: Any, runs: Sequence[RunView]) -> Iterator[tuple[RunView, Any]]:
+    """Each run with its columns of `rows` (n, block bytes), viewed (n, count, width) like the run."""
+    offset = 0
+    for run in runs:
+        yield run, rows[:, offset : offset + run.nbytes].unflatten(1, (run.count, run.width))
+        offset += run.nbytes

@@ -109,15 +109,20 @@ def run(plan: Plan, report: Report, phases: list[str]) -> str:
         try:
             result = run_phase(name, plan)
         except Exception as exc:  # one failing phase never hides the others
-            result = {
-                "pass": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
-        result["seconds"] = round(time.perf_counter() - began, 1)
-        report.phase(name, result)
-        print(f"device check: {name}: {result.get('pass')} in {result['seconds']} s", file=sys.stderr)
+            result = _raised(exc)
+        _report_phase(report, name, result, began)
     return _verdict(report, phases)
+
+
+def _raised(exc: Exception) -> dict[str, Any]:
+    """A phase that raised: failed, with why."""
+    return {"pass": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+
+
+def _report_phase(report: Report, name: str, result: dict[str, Any], began: float) -> None:
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    report.phase(name, result)
+    print(f"device check: {name}: {result.get('pass')} in {result['seconds']} s", file=sys.stderr)
 
 
 def _verdict(report: Report, phases: list[str]) -> str:
@@ -162,9 +167,7 @@ def run_isolated(dry_run: bool, report: Report, phases: list[str], budget_s: flo
             else:
                 why = "hit its time limit (stacks above)" if code in (1, "killed") else "died"
                 result = {"pass": False, "error": f"phase process {why}: exit {code}, limit {limit:.0f} s"}
-        result["seconds"] = round(time.perf_counter() - began, 1)
-        report.phase(name, result)
-        print(f"device check: {name}: {result.get('pass')} in {result['seconds']} s", file=sys.stderr)
+        _report_phase(report, name, result, began)
     return _verdict(report, phases)
 
 
@@ -180,7 +183,7 @@ def phase_child(name: str, dry_run: bool, out: Path, limit_s: float) -> int:
     try:
         result = run_phase(name, plan)
     except Exception as exc:
-        result = {"pass": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+        result = _raised(exc)
     faulthandler.cancel_dump_traceback_later()
     out.write_text(json.dumps(result, default=str))
     return 0
