@@ -24,6 +24,9 @@ class RequestDelta:
     save_tokens: int = 0  # > 0: save up to this many tokens (a new high point)
     computed_before: int = 0  # tokens computed before this step (blocks below a window may be freed)
     load: LoadSpec | None = None
+    # boundary states handed over this step, to save from exactly these blocks in this step only:
+    # (group, chunk, block id); the chunk's key names the token prefix ending at the boundary
+    states: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpool.config import KVPoolConfig
+from kvpool.errors import LayoutError
 from kvpool.fingerprints import GroupFacts, ModelFacts, group_fingerprints
 from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.masks import MaskCoordinator
+from kvpool.masks import MaskCoordinator, StateSpace
 from kvpool.specs import attention_kind
 
 
@@ -101,6 +102,13 @@ def build_plan(engine: EngineFacts, config: KVPoolConfig) -> ModelPlan:
     assert retention is None or isinstance(retention, int)  # validated by KVPoolConfig
     coordinator = MaskCoordinator(kinds, retention_interval=retention, hash_block_size=hash_block)
     parallel = engine.parallel
+    if parallel.kv_tp_replicas > 1 and any(isinstance(kind, StateSpace) for kind in kinds):
+        raise LayoutError(
+            f"kv_tp_replicas={parallel.kv_tp_replicas} with a state-space (Mamba) group is not supported by "
+            "kvpool: TP ranks that hold identical attention KV hold different shards of a state, so one "
+            "shard key cannot name both; run with tensor_parallel_size <= the number of KV heads, or "
+            "without the connector"
+        )
     fingerprints = group_fingerprints(engine.model, engine.groups, kinds, config, pp_size=parallel.pp_size)
     return ModelPlan(
         coordinator,

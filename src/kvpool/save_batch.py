@@ -31,6 +31,9 @@ class SaveRange:
     start: int
     end: int
     count: int
+    # False: boundary states (vLLM's hand-off), put once from the block handed over in their step and
+    # never re-planned, so their outcome moves no mark
+    moves_marks: bool = True
 
 
 @dataclass

@@ -26,7 +26,7 @@ from kvpool.chunks import ChunkRef, chunk_range
 from kvpool.errors import LayoutError
 from kvpool.keys import chunk_hashes
 from kvpool.layout import NULL_BLOCK_ID
-from kvpool.masks import MaskCoordinator
+from kvpool.masks import MaskCoordinator, StateSpace
 from kvpool.metadata import RequestDelta
 from kvpool.plan import GroupPlacement
 from kvpool.save_batch import SaveRange
@@ -99,6 +99,8 @@ class SavePlanner:
         items: list[ChunkRef] = []
         coord = self.coordinator
         for delta in deltas:
+            if delta.states:
+                self._plan_states(delta, ranges, items)
             if delta.save_tokens <= 0:
                 continue
             state = self._states.get(delta.req_id)
@@ -116,10 +118,37 @@ class SavePlanner:
             state.in_flight += 1
         return ranges, items
 
+    def _plan_states(self, delta: RequestDelta, ranges: list[SaveRange], items: list[ChunkRef]) -> None:
+        """The boundary states handed over in this step, from exactly the blocks named: their own range,
+        which moves no mark (a state is never re-planned: its block is the engine's again after the
+        step, so a state that fails to land is simply not in the pool)."""
+        state = self._states.get(delta.req_id)
+        if state is None or state.dropped or state.finished or state.frozen:
+            return
+        coord = self.coordinator
+        planned: list[ChunkRef] = []
+        for group, chunk, block_id in delta.states:
+            kind, placement = coord.kinds[group], self.placements[group]
+            hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
+            if block_id == NULL_BLOCK_ID or chunk >= len(hashes):
+                self.stats.chunks_unreadable += 1
+                continue
+            if chunk % placement.put_step != placement.put_step_rank:
+                continue  # another rank of the shard writes it
+            parent = hashes[chunk - 1] if chunk else b""
+            planned.append(ChunkRef(group, chunk, block_id, placement.keys.key(hashes[chunk]), parent))
+        if planned:
+            end = max(ref.chunk + 1 for ref in planned) * coord.kinds[planned[0].group].block_size
+            ranges.append(SaveRange(state, end, end, len(planned), moves_marks=False))
+            items.extend(planned)
+            state.in_flight += 1
+
     def _save_chunks(self, state: _RequestState, start: int, end: int) -> list[ChunkRef]:
         items: list[ChunkRef] = []
         coord = self.coordinator
         for group, (kind, placement) in enumerate(zip(coord.kinds, self.placements)):
+            if isinstance(kind, StateSpace):
+                continue  # states are saved only from the blocks the engine hands over (`_plan_states`)
             hashes = chunk_hashes(state.hashes, coord.hash_block_size, kind.block_size)
             table = state.blocks[group]
             mask = coord.store_mask(group, end, start, state.num_prompt_tokens)
@@ -150,7 +179,7 @@ class SavePlanner:
             ok = all(status is Status.OK for status in results[offset : offset + part.count])
             offset += part.count
             state.in_flight -= 1
-            if not state.dropped:
+            if not state.dropped and part.moves_marks:
                 if ok and state.stored_mark >= part.start:
                     state.stored_mark = max(state.stored_mark, part.end)
                 elif not ok:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kvpool.errors import LayoutError
 from kvpool.index import PoolIndex
 from kvpool.keys import KeySpace, chunk_hashes
-from kvpool.masks import FullAttention, MaskCoordinator
+from kvpool.masks import FullAttention, MaskCoordinator, StateSpace
 from kvpool.metadata import LoadSpec, RequestDelta
 
 log = logging.getLogger("kvpool.scheduler")
@@ -52,6 +52,11 @@ class SchedulerStats:
     lookup_waits: int = 0  # "ask again" answers: a step a request waited for its lookup
     loads_finished: int = 0
     load_wait_steps: int = 0  # steps from a load's allocation to the output that reported it finished
+    # boundary states the engine handed over (vLLM `boundary_state_offloads`): taken to save, and dropped
+    states_offered: int = 0
+    states_taken: int = 0
+    states_partial: int = 0  # sub-block boundaries (vLLM's partial hash hits): not a chunk, never stored
+    states_dropped: int = 0  # not a reachable boundary, past the save limit, null, or no live request
 
 
 @dataclass
@@ -326,6 +331,53 @@ class SchedulerCore:
         _settle(tracker, self._lcm)
         if delta.new_blocks is None and not delta.save_tokens and delta.load is None and not delta.num_prompt_tokens:
             return None
+        return delta
+
+    def boundary_states(
+        self, req_id: str, offers: Sequence[tuple[int, int, int]], block_hashes: Sequence[bytes]
+    ) -> RequestDelta | None:
+        """The boundary states the engine hands over for a request this step, as `(group, block id,
+        boundary tokens)`, each a block holding the state after exactly `boundary` tokens until the
+        step ends: the delta that saves the ones worth storing (None: none is).
+
+        A state is taken only when its boundary is a whole chunk of its group (a sub-block boundary of
+        the engine's partial hash hits is no chunk: never stored), one a future hit can end at (an LCM
+        multiple the retention policy keeps), within what the request saves (the aligned prompt unless
+        decode KV is saved), its block is not the null block, and the workers hold the request. The
+        workers copy each out in this step, so the engine need not keep the block any longer."""
+        coord = self.coordinator
+        self.stats.states_offered += len(offers)
+        tracker = self._trackers.get(req_id)
+        if tracker is None or not tracker.started:
+            self.stats.states_dropped += len(offers)
+            return None
+        boundaries = coord.boundaries(tracker.num_prompt_tokens)
+        hashed = len(block_hashes) * coord.hash_block_size
+        taken: list[tuple[int, int, int]] = []
+        for group, block_id, boundary in offers:
+            kind = coord.kinds[group] if 0 <= group < len(coord.kinds) else None
+            if kind is not None and boundary % kind.block_size:
+                self.stats.states_partial += 1
+                continue
+            if (
+                not isinstance(kind, StateSpace)
+                or block_id == 0
+                or boundary <= 0
+                or boundary > min(tracker.save_limit, hashed)
+                or not kind.stores(boundary // kind.block_size - 1, boundaries)
+            ):
+                self.stats.states_dropped += 1
+                continue
+            taken.append((group, boundary // kind.block_size - 1, block_id))
+        if not taken:
+            return None
+        self.stats.states_taken += len(taken)
+        delta = RequestDelta(req_id, states=taken)
+        needed = max((chunk + 1) * coord.kinds[group].block_size for group, chunk, _ in taken)
+        needed //= coord.hash_block_size
+        if needed > tracker.sent_hashes:
+            delta.new_hashes = list(block_hashes[tracker.sent_hashes : needed])
+            tracker.sent_hashes = needed
         return delta
 
     def quiet(self, req_id: str, computed_tokens: int) -> bool:

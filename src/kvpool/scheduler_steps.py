@@ -152,6 +152,26 @@ class SchedulerSteps:
         if delta is not None:
             step.requests.append(delta)
 
+    def states(
+        self,
+        step: StepMetadata,
+        req_id: str,
+        offers: Sequence[tuple[int, int, int]],
+        block_hashes: Sequence[bytes],
+    ) -> None:
+        """Boundary states the engine hands over for the request in this step (after its `add`):
+        `(group, block id, boundary tokens)` each. The ones worth storing ride the request's delta of
+        this step (a delta of their own when it has none), so the workers copy them out in this step."""
+        found = self.core.boundary_states(req_id, offers, block_hashes)
+        if found is None:
+            return
+        for delta in step.requests:
+            if delta.req_id == req_id:
+                delta.states.extend(found.states)
+                delta.new_hashes.extend(found.new_hashes)
+                return
+        step.requests.append(found)
+
     def absorb(self, invalid_blocks: set[int], failed_requests: set[str], finished: Iterable[str]) -> None:
         """One step's output from the workers: failed loads are never offered again."""
         for req_id in self.loads.absorb(invalid_blocks, failed_requests, finished):

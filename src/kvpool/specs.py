@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvpool.errors import LayoutError
-from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
+from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow, StateSpace
 
 Layer = TypeVar("Layer")  # the engine's own spec object for one layer
 
@@ -33,6 +33,62 @@ class SpecFacts:
     extra_retained_tokens: int = 0  # real blocks kept below the window (vLLM: multi-token prediction)
     attention_chunk_size: int | None = None
     non_causal: bool = False
+    # state-space (vLLM `MambaSpec`) settings; None / defaults for attention specs
+    state_cache_mode: str | None = None
+    num_speculative_blocks: int = 0
+    tokens_per_state: int = -1
+
+
+# Every `MambaSpec` setting of vLLM 0.32, served or refused, and why (README: hybrid models). The
+# start-up error of a refused one repeats its reason.
+STATE_SETTINGS: dict[str, str] = {
+    "mamba_type": (
+        "served, every type (Mamba1, Mamba2, GDN, short conv, linear attention): a state block is opaque bytes "
+        "copied whole; the type, shapes and dtypes are in the key's fingerprint"
+    ),
+    "mamba_cache_mode": (
+        "served only as 'align': only then does vLLM hand kvpool the exact block holding a boundary's state "
+        "(`boundary_state_offloads`); 'none' caches no prefix state and 'all' hands nothing over, so both are refused"
+    ),
+    "num_speculative_blocks": (
+        "served only as 0; > 0 (speculative decoding with Mamba) is refused: the drafter's accepted-token "
+        "shifts relocate state blocks in place, and kvpool has not shown a loaded state exact under them"
+    ),
+    "num_prefill_checkpoint_blocks / prefill_checkpoint_alignment": (
+        "served: a prefill checkpoint is re-keyed by vLLM at its exact boundary before it is handed over; kvpool "
+        "stores the handed-over whole-block boundaries and drops sub-block ones"
+    ),
+    "page_size_padded": (
+        "served: the whole padded page is one chunk (the padding is never read by the engine); the page size "
+        "is in the key's fingerprint"
+    ),
+    "tokens_per_state": (
+        "served as -1 or 1 (one state per sequence); > 1 (a compressed state per several tokens, sparse "
+        "attention indexers) is refused: it is not a prefix's recurrent state"
+    ),
+}
+
+
+def _state(facts: SpecFacts) -> AttentionKind:
+    mode = facts.state_cache_mode
+    if mode != "align":
+        raise LayoutError(
+            f"KV cache spec {facts.type_name}(mamba_cache_mode={mode!r}) is not supported by kvpool: "
+            f"{STATE_SETTINGS['mamba_cache_mode']}. Run with prefix caching on (vLLM then picks 'align' "
+            "for hybrid models), or without the connector"
+        )
+    if facts.num_speculative_blocks:
+        raise LayoutError(
+            f"KV cache spec {facts.type_name}(num_speculative_blocks={facts.num_speculative_blocks}) is not "
+            f"supported by kvpool: {STATE_SETTINGS['num_speculative_blocks']}. Run without speculative "
+            "decoding, or without the connector"
+        )
+    if facts.tokens_per_state > 1:
+        raise LayoutError(
+            f"KV cache spec {facts.type_name}(tokens_per_state={facts.tokens_per_state}) is not supported by "
+            f"kvpool: {STATE_SETTINGS['tokens_per_state']}. Run this model without the connector"
+        )
+    return StateSpace(facts.block_size)
 
 
 def _full(facts: SpecFacts) -> AttentionKind:
@@ -66,17 +122,13 @@ SUPPORTED_SPECS: dict[str, Callable[[SpecFacts], AttentionKind]] = {
     "SlidingWindowSpec": _sliding,
     "SlidingWindowMLASpec": _sliding,
     "ChunkedLocalAttentionSpec": _chunked,
+    # served through vLLM's boundary-state hand-off only (`StateSpace`); see STATE_SETTINGS
+    "MambaSpec": _state,
 }
 
 # known specs kvpool refuses, and why (the start-up error says it)
 REFUSED_SPECS: dict[str, str] = {
     "RSWASpec": "the engine frees the decode gap blocks between the prompt and the window",
-    "MambaSpec": (
-        "vLLM rewrites a request's Mamba state block in place until the sequence crosses its boundary, "
-        "then nulls, frees or moves it, so its block table cannot be read by position like attention KV; "
-        "only vLLM's boundary-state hand-off names blocks holding a boundary's state, and kvpool does not "
-        "take it yet"
-    ),
     "SinkFullAttentionSpec": "attention sinks keep extra per-request state outside the paged blocks",
     "HiddenStateCacheSpec": "it caches hidden states for speculative decoding, not attention KV",
     "CircularBufferSpec": "one ring block per request is overwritten in place",

@@ -40,11 +40,23 @@ def spec_facts(spec: KVCacheSpec) -> SpecFacts:
         extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0) or 0,
         attention_chunk_size=getattr(spec, "attention_chunk_size", None),
         non_causal=bool(getattr(spec, "non_causal", False)),
+        state_cache_mode=getattr(spec, "mamba_cache_mode", None),
+        num_speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+        tokens_per_state=int(getattr(spec, "tokens_per_state", -1)),
     )
 
 
 def group_facts(spec: KVCacheSpec, model_dtype: object) -> GroupFacts:
     # not every spec has a head shape or a dtype of its own; the model's dtype stands in
+    shapes = getattr(spec, "shapes", None)
+    if shapes is not None:
+        # a state (MambaSpec): its type, shapes and dtypes decide the bytes of its block
+        return GroupFacts(
+            spec=spec_facts(spec),
+            dtype=",".join(str(dtype) for dtype in getattr(spec, "dtypes", ())),
+            kv_quant_mode=f"{getattr(spec, 'mamba_type', '')}:{tuple(map(tuple, shapes))}",
+            page_size_bytes=spec.page_size_bytes,
+        )
     return GroupFacts(
         spec=spec_facts(spec),
         dtype=str(getattr(spec, "dtype", model_dtype)),

@@ -99,6 +99,12 @@ class SchedulerSide:
                 blocks, whole = table(req_id), True
             new_tokens = scheduled.get(req_id, 0) - len(spec_tokens.get(req_id, ()))
             self._add(step, request, blocks, whole, computed, new_tokens)
+        offloads = state.boundary_state_offloads if state is not None else None
+        for req_id, offers in (offloads or {}).items():
+            # Mamba "align" states at exact boundaries, in blocks valid until this step ends
+            request = requests.get(req_id)
+            if request is not None:
+                steps.states(step, req_id, offers, request.block_hashes)
         return step
 
     def _add(

@@ -14,6 +14,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvpool.config import KVPoolConfig
+from kvpool.errors import LayoutError
 from kvpool.integrations import registry
 from kvpool.integrations.vllm_metadata import KVPoolWorkerMetadata
 from kvpool.integrations.vllm_metrics import WorkerStatsSampler
@@ -25,6 +26,27 @@ from kvpool.roles import worker_role
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def state_pages(name: str, tensor: torch.Tensor | list[torch.Tensor], num_blocks: int) -> torch.Tensor:
+    """A state (Mamba) layer's blocks as whole pages, (num_blocks, page bytes) uint8: vLLM views each
+    state of a block (conv, ssm) inside a page padded to the attention page, so the block's bytes are
+    one page, copied whole (the padding is never read by the engine)."""
+    pieces = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
+    element = pieces[0].element_size()
+    page = pieces[0].stride(0) * element
+    base = min(piece.storage_offset() * piece.element_size() for piece in pieces)
+    storage = pieces[0].untyped_storage()
+    if (
+        any(
+            piece.stride(0) * piece.element_size() != page or piece.untyped_storage().data_ptr() != storage.data_ptr()
+            for piece in pieces
+        )
+        or base + num_blocks * page > storage.nbytes()
+    ):
+        raise LayoutError(f"state layer {name!r}: its blocks are not pages of one buffer; kvpool cannot copy them")
+    flat = torch.empty(0, dtype=torch.uint8, device=pieces[0].device).set_(storage)
+    return flat.as_strided((num_blocks, page), (page, 1), base)
 
 
 class WorkerSide:
@@ -47,7 +69,14 @@ class WorkerSide:
         layer_groups = {
             name: group for group, spec in enumerate(kv_config.kv_cache_groups) for name in spec.layer_names
         }
-        tensors = {name: tensor for name, tensor in kv_caches.items() if name in layer_groups}
+        state_groups = {
+            group for group, spec in enumerate(kv_config.kv_cache_groups) if hasattr(spec.kv_cache_spec, "shapes")
+        }
+        tensors = {
+            name: state_pages(name, tensor, kv_config.num_blocks) if layer_groups[name] in state_groups else tensor
+            for name, tensor in kv_caches.items()
+            if name in layer_groups
+        }
         self.core.register_layout(
             KVLayout(
                 tensors,
@@ -68,7 +97,7 @@ class WorkerSide:
 
     def save(self, step: StepMetadata) -> None:
         self.apply(step)
-        if any(delta.save_tokens for delta in step.requests):
+        if any(delta.save_tokens or delta.states for delta in step.requests):
             # after the forward: device tensors are copied on the current stream, so in order after it
             self.core.save(step.requests)
 

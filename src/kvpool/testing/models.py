@@ -11,6 +11,9 @@ backend can load. The configs are chosen so that a test on them can fail:
   (layers 0, 2 sliding; 1, 3 full), ``sliding_window=64``.
 * ``mistral`` -- ``MistralForCausalLM`` with ``sliding_window=64`` on every layer: one
   sliding-window group, whose out-of-window blocks vLLM frees (null blocks in the table).
+* ``granite-hybrid`` -- ``GraniteMoeHybridForCausalLM`` (Granite 4 family): Mamba2 layers 0 and 2,
+  attention layers 1 and 3, no experts (a dense shared MLP), no position embedding. vLLM models
+  it as one ``MambaSpec`` group and one full-attention group (hybrid attention + state space).
 * ``llama-bench`` -- a ~100M-parameter Llama (hidden 1024, 8 layers) for end-to-end serving
   benchmarks, large enough that prefill dominates a request, with a tokenizer saved beside it
   (``tokenizer.json``): a word-level vocabulary of ``vocab_size`` words made with the
@@ -38,7 +41,16 @@ from typing import Any
 
 __all__ = ["MODEL_KINDS", "default_model_dir", "is_complete_model", "make_tiny_model", "model_config"]
 
-MODEL_KINDS = ("llama", "gemma2", "gemma3", "mistral", "llama-demo", "llama-bench", "llama-bench-tiny")
+MODEL_KINDS = (
+    "llama",
+    "gemma2",
+    "gemma3",
+    "mistral",
+    "granite-hybrid",
+    "llama-demo",
+    "llama-bench",
+    "llama-bench-tiny",
+)
 WITH_TOKENIZER = ("llama-bench", "llama-bench-tiny")
 
 # Bumped whenever the generated weights/config change, so cached models are rebuilt.
@@ -87,6 +99,23 @@ def model_config(kind: str) -> tuple[str, dict[str, Any]]:
         return "MistralConfig", {
             **_COMMON,
             "sliding_window": 64,
+            "initializer_range": 0.1,
+            "tie_word_embeddings": False,
+        }
+    if kind == "granite-hybrid":
+        return "GraniteMoeHybridConfig", {
+            **_COMMON,
+            "num_local_experts": 0,
+            "shared_intermediate_size": 256,
+            "layer_types": ["mamba", "attention", "mamba", "attention"],
+            "position_embedding_type": "nope",
+            "mamba_n_heads": 4,
+            "mamba_d_head": 64,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 64,
             "initializer_range": 0.1,
             "tie_word_embeddings": False,
         }
@@ -190,6 +219,7 @@ def _write_checkpoint(kind: str, cfg_kwargs: dict[str, Any], out: Path, seed: in
         "gemma2": transformers.Gemma2ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
+        "granite-hybrid": transformers.GraniteMoeHybridForCausalLM,
     }[kind]
     torch.manual_seed(seed)
     model: Any = model_cls(config)

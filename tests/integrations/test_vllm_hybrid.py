@@ -1,0 +1,104 @@
+"""A hybrid attention + Mamba2 model (tiny GraniteMoeHybrid) on vLLM's CPU engine: pool hits through
+vLLM's boundary-state hand-off (`SchedulerOutput.kv_connector_block_state.boundary_state_offloads`).
+
+The CPU build hands the states over: with prefix caching on, vLLM picks Mamba "align" mode, a 128-token
+state block and a 256-token attention block (LCM 256), and offers each cached 256-token boundary's state
+block in the step whose forward writes it. kvpool copies it out in that step, and a fresh engine loads it
+(with the attention chunks up to the boundary) into the state block vLLM allocates; vLLM's model runner then
+copies the loaded state into the request's running block before the forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.backends.memory import shared_memory_pool
+from kvpool.integrations.vllm import local_scheduler, local_worker
+from kvpool.testing.engine import assert_same_greedy, engine, generate_greedy
+
+from .conftest import connector_config, random_prompts
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 8
+BOUNDARY = 256  # vLLM's LCM of the Mamba (128) and attention (256) blocks on this model
+SETTINGS = {"block_size": 128, "max_num_batched_tokens": 128, "enable_prefix_caching": True, "max_model_len": 1024}
+STATE_GROUP = "/g0/"  # vLLM's group 0 is the Mamba group on this model
+
+
+def _run(llm, prompts, max_tokens=MAX_TOKENS):
+    results = generate_greedy(llm, prompts, max_tokens)
+    worker, scheduler = local_worker(), local_scheduler()
+    assert worker is not None and scheduler is not None
+    assert worker.drain(30.0), "saves did not finish"
+    for _ in range(3):  # the worker hears of finished requests on the next step
+        llm.llm_engine.step()
+        assert worker.drain(30.0)
+    return results, worker.stats, scheduler.stats, worker.active_requests() + scheduler.active_requests()
+
+
+def _state_keys(pool_name: str) -> list[str]:
+    stored = shared_memory_pool(pool_name, 256 << 20).keys()
+    return [key for key in stored if STATE_GROUP in key]
+
+
+def _rewrite_states(pool_name: str, *, resize: bool) -> int:
+    """Replace every stored state with random bytes (or bytes of the wrong size); how many."""
+    import numpy as np
+
+    pool = shared_memory_pool(pool_name, 256 << 20)
+    rng = np.random.default_rng(0)
+    keys = _state_keys(pool_name)
+    for key in keys:
+        size = pool.nbytes_of(key) or 1
+        pool.remove([key])
+        pool.put([key], [[rng.integers(0, 255, size=1 if resize else size, dtype=np.uint8)]])
+    return len(keys)
+
+
+@pytest.fixture(scope="module")
+def hybrid(model_dir):
+    return model_dir("granite-hybrid")
+
+
+def test_a_fresh_engine_hits_the_states_and_chunks_another_stored(hybrid, pool_name):
+    base = random_prompts(1, 300, seed=31)[0]
+    tail = random_prompts(1, 60, seed=32)[0]
+    prompts = [base, base[:BOUNDARY] + tail]  # the second shares the first's boundary, not its tail
+    config = connector_config(pool_name, integrity="off")  # the rewrite below must reach the engine
+    with engine(hybrid, **SETTINGS) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
+        stored, _, sched_stats, live = _run(llm, prompts[:1])
+    assert live == 0, "per-request state leaked"
+    assert sched_stats.states_taken == 1 and sched_stats.states_partial == 0
+    assert len(_state_keys(pool_name)) == 1, "exactly the handed-over boundary state is stored"
+    assert stored[0].token_ids == baseline[0].token_ids
+    with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
+        loaded, load_stats, _, _ = _run(llm, prompts)
+    assert [r.num_cached_tokens for r in loaded] == [BOUNDARY, BOUNDARY]
+    assert load_stats.chunks_loaded > 0 and load_stats.chunks_load_failed == 0
+    assert_same_greedy(baseline, loaded)
+
+    # the loaded states are what the engine computes from: random states change the outputs
+    assert _rewrite_states(pool_name, resize=False) == 1
+    with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
+        poisoned, _, _, _ = _run(llm, prompts)
+    assert [r.num_cached_tokens for r in poisoned] == [BOUNDARY, BOUNDARY]
+    assert [r.token_ids for r in poisoned] != [r.token_ids for r in baseline], "the loaded state had no effect"
+
+
+def test_a_failed_state_load_is_recomputed_and_never_reaches_an_output(hybrid, pool_name):
+    prompts = random_prompts(2, 300, seed=33)
+    config = connector_config(pool_name)
+    with engine(hybrid, **SETTINGS) as llm:
+        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
+        _run(llm, prompts)
+    assert _rewrite_states(pool_name, resize=True) == 2  # every state load now fails; attention loads succeed
+    with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
+        loaded, stats, _, live = _run(llm, prompts)
+    assert stats.chunks_load_failed > 0
+    assert [r.num_cached_tokens for r in loaded] == [0, 0], "a failed state must recompute the whole hit"
+    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
+    assert live == 0
