@@ -245,3 +245,17 @@ def test_states_of_a_finished_request_are_dropped(closing: list[WorkerCore]) -> 
     worker.finish({"r"})
     worker.save([RequestDelta("r", states=[(1, 1, 9)])])
     assert backend.put_keys == []
+
+
+def test_explain_names_the_state_group_and_its_boundary() -> None:
+    from kvpool.explain import StopReason, explain
+
+    pool = Pool()
+    core = hybrid_scheduler(pool)
+    hashes = hashes_for("p", 10)
+    pool.store(core.namespaces[0], hashes, range(10))
+    pool.store(core.namespaces[1], [hashes[i] for i in range(1, 10, 2)], [1])
+    explanation = explain(core, hashes, 161)
+    assert explanation.hit_tokens == 64 and explanation.reason is StopReason.MISSING_CHUNK
+    assert "group 1 (state_space) chunk 2" in explanation.detail
+    assert "the state at 96 tokens is not in the pool" in explanation.detail

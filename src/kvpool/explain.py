@@ -12,6 +12,9 @@ its logits), and only full blocks have hashes. So a hit stops for one of these r
 - `mask`: the chunk the next boundary needs is one the store mask never keeps for this prompt (the
   retention policy of a sliding-window or chunked-local group: only some boundaries are reachable).
 
+A state-space (Mamba) group needs only its state at the boundary itself, which the pool holds only if
+the engine handed it over there; a missing one is named as the group's state at that boundary.
+
 `explain` answers with the same presence the scheduler's lookups use (the embedded pools' index, or
 the pool's `exists`), without counting a lookup.
 """
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpool.keys import chunk_hashes
+from kvpool.masks import StateSpace
 from kvpool.scheduler import SchedulerCore
 
 
@@ -112,6 +116,11 @@ def _stop(
                 where += f"{(chunk + 1) * kind.block_size - 1}), needed by a hit at {boundary}"
                 if not kind.stores(chunk, boundaries):
                     return StopReason.MASK, f"{where}: the store mask never keeps it for this prompt (retention policy)"
+                if isinstance(kind, StateSpace):
+                    return StopReason.MISSING_CHUNK, (
+                        f"{where}: the state at {boundary} tokens is not in the pool (a state is stored only "
+                        "when the engine hands it over at that boundary: vLLM's boundary_state_offloads)"
+                    )
                 return StopReason.MISSING_CHUNK, f"{where}: not in the pool"
     return StopReason.MISSING_CHUNK, f"a chunk needed by a hit at {boundary} is not in the pool"
 
