@@ -61,7 +61,7 @@ def hybrid(model_dir):
     return model_dir("granite-hybrid")
 
 
-def test_a_fresh_engine_hits_the_states_and_chunks_another_stored(hybrid, pool_name):
+def test_a_fresh_engine_hits_the_states_another_stored_and_a_failed_state_load_recomputes(hybrid, pool_name):
     base = random_prompts(1, 300, seed=31)[0]
     tail = random_prompts(1, 60, seed=32)[0]
     prompts = [base, base[:BOUNDARY] + tail]  # the second shares the first's boundary, not its tail
@@ -87,18 +87,49 @@ def test_a_fresh_engine_hits_the_states_and_chunks_another_stored(hybrid, pool_n
     assert [r.num_cached_tokens for r in poisoned] == [BOUNDARY, BOUNDARY]
     assert [r.token_ids for r in poisoned] != [r.token_ids for r in baseline], "the loaded state had no effect"
 
-
-def test_a_failed_state_load_is_recomputed_and_never_reaches_an_output(hybrid, pool_name):
-    prompts = random_prompts(2, 300, seed=33)
-    config = connector_config(pool_name)
-    with engine(hybrid, **SETTINGS) as llm:
-        baseline = generate_greedy(llm, prompts, MAX_TOKENS)
+    # a state load that fails (the stored value has the wrong size) recomputes the whole hit: the attention
+    # chunks loaded beside it are never computed on, and nothing reaches an output or the pool
+    assert _rewrite_states(pool_name, resize=True) == 1
     with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
-        _run(llm, prompts)
-    assert _rewrite_states(pool_name, resize=True) == 2  # every state load now fails; attention loads succeed
-    with engine(hybrid, kv_transfer_config=config, **SETTINGS) as llm:
-        loaded, stats, _, live = _run(llm, prompts)
-    assert stats.chunks_load_failed > 0
-    assert [r.num_cached_tokens for r in loaded] == [0, 0], "a failed state must recompute the whole hit"
-    assert [r.token_ids for r in loaded] == [r.token_ids for r in baseline]
+        failed, fail_stats, _, live = _run(llm, prompts)
+    assert fail_stats.chunks_load_failed > 0
+    # the first recomputes its whole prompt; the second then hits what the first recomputed (the engine's
+    # own cache, or the pool the first saved into again)
+    assert [r.num_cached_tokens for r in failed] == [0, BOUNDARY]
+    assert [r.token_ids for r in failed] == [r.token_ids for r in baseline]
     assert live == 0
+
+
+@pytest.mark.timeout(900)
+def test_served_hybrid_prompts_come_back_from_the_pool_with_identical_outputs(hybrid):
+    """Behind `vllm serve` at TP 1: prompts, others that push them out of the engine's own cache (8
+    blocks of 256 KiB in float32), then the first prompts again, whose boundary states and attention
+    chunks now come from the pool (loaded by kvpool, not the engine's own cache)."""
+    from kvpool.testing.server import openai_server
+
+    first = random_prompts(2, 300, seed=35)
+    others = random_prompts(4, 300, seed=36)
+    workload = first + others + first
+    settings = {
+        "block_size": 128,
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 2 << 20,
+        "extra_args": ["--max-num-batched-tokens", "128", "--enable-prefix-caching"],
+    }
+    connector = {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"capacity_bytes": "64MiB"},
+    }
+    outputs = []
+    for kv in (None, connector):
+        with openai_server(hybrid, kv_transfer_config=kv, **settings) as server:  # type: ignore[arg-type]
+            outputs.append([server.complete(prompt, MAX_TOKENS) for prompt in workload])
+            metrics = server.metrics()
+    baseline, served = outputs
+    assert [r["token_ids"] for r in served] == [r["token_ids"] for r in baseline]
+    assert [r["cached_tokens"] for r in served[-len(first) :]] == [BOUNDARY] * len(first)
+    pool = {name: value for name, value in metrics.items() if "kvpool" in name or "prefix_cache" in name}
+    assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= len(first) * BOUNDARY, pool
+    assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 2 * len(first), pool
