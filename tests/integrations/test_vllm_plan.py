@@ -13,7 +13,7 @@ import torch
 from kvpool.config import KVPoolConfig
 from kvpool.errors import LayoutError
 from kvpool.integrations.vllm_plan import group_spec, plan_model, spec_facts, weights_digest
-from kvpool.masks import FullAttention, SlidingWindow
+from kvpool.masks import FullAttention, SlidingWindow, StateSpace
 from kvpool.specs import attention_kind
 
 vllm_cache = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -42,6 +42,24 @@ def test_vllm_specs_map_to_kinds_or_are_refused_by_name() -> None:
     for spec in refused:
         with pytest.raises(LayoutError, match=type(spec).__name__):
             kind_of(spec)
+
+
+def test_vllm_mamba_specs_are_served_in_align_mode_and_refused_by_setting_otherwise() -> None:
+    state = {"block_size": 64, "shapes": ((2, 4),), "dtypes": (torch.float32,)}
+    assert kind_of(vllm_cache.MambaSpec(**state, mamba_cache_mode="align")) == StateSpace(64)
+    checkpoints = vllm_cache.MambaSpec(
+        **state, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1, page_size_padded=4096
+    )
+    assert kind_of(checkpoints) == StateSpace(64)
+    for setting, spec in [
+        ("mamba_cache_mode='none'", vllm_cache.MambaSpec(**state)),
+        ("mamba_cache_mode='all'", vllm_cache.MambaSpec(**state, mamba_cache_mode="all")),
+        ("num_speculative_blocks=1", vllm_cache.MambaSpec(**state, mamba_cache_mode="align", num_speculative_blocks=1)),
+        ("tokens_per_state=4", vllm_cache.MambaSpec(**state, mamba_cache_mode="align", tokens_per_state=4)),
+    ]:
+        with pytest.raises(LayoutError, match="MambaSpec") as raised:
+            kind_of(spec)
+        assert setting in str(raised.value)
 
 
 @pytest.mark.parametrize("extra", [0, 31, 64])
