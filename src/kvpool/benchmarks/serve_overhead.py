@@ -10,7 +10,9 @@ connector that does nothing, with kvpool); requests one at a time by token ids:
   cache, so its prefix comes from the pool: ÷ the local hit (target <= 1.2); and ÷ the local hit of
   the same prompt sent once more at once to the kvpool server (the load's own cost, without what any
   connector costs every step).
-Medians over all requests of a kind; both servers run the same prompts.
+Medians over all requests of a kind; both servers run the same prompts. A hybrid attention + Mamba
+model (`model_kind="granite-hybrid"`, `block_size=128`, 300-token prompts) gives the hybrid row: its
+pool hit loads the state at the 256-token boundary and the attention chunks below it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ NOOP_CONNECTOR = {
 }
 TARGET_HIT_RATIO = 1.2
 TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # the tiny llama in float32: 4 layers x 2 KV heads x K,V x 64 dims x 4 B
+# a hybrid attention + Mamba2 model (`--model-kind granite-hybrid --block-size 128`): vLLM's CPU build needs
+# max_num_batched_tokens=128 for it, and picks a 128-token state block and a 256-token attention block
+# (a pool hit ends on a 256-token boundary); 8 blocks of 256 KiB hold about two prompts' cached blocks
+HYBRID_SETTINGS: dict[str, dict[str, Any]] = {
+    "granite-hybrid": {
+        "kv_cache_memory_bytes": 2 << 20,
+        "max_model_len": 512,
+        "extra_args": ["--max-num-batched-tokens", "128", "--enable-prefix-caching"],
+    },
+}
 
 
 def run(
@@ -49,6 +61,8 @@ def run(
         "kv_cache_memory_bytes": 1024 * TOKEN_BYTES,  # the engine's own cache holds two prompts
         "env": SAME_CORES_ENV,  # the same cores for the forward with and without a connector
     }
+    if model_kind in HYBRID_SETTINGS:
+        settings.update(HYBRID_SETTINGS[model_kind])
     connector = {
         "kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool.integrations.vllm",
