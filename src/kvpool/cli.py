@@ -300,10 +300,9 @@ def bench_breakdown(
     max_tokens: Annotated[int, typer.Option(help="tokens generated per request", min=1)] = 8,
     model: Annotated[str, typer.Option(help="tiny model kind (kvpool.testing.models)")] = "llama-demo",
     profile: Annotated[bool, typer.Option(help="also one py-spy profile per connector on the hit phase")] = True,
-    switch_interval_ms: Annotated[
-        float | None,
-        typer.Option(help="Python's GIL switch interval for the run, ms [default: unchanged, 5]", min=0.01),
-    ] = None,
+    gil_diagnostic: Annotated[
+        bool, typer.Option("--gil-diagnostic", help="also both connectors with a 0.5 ms GIL switch interval")
+    ] = False,
 ) -> None:
     """Where a request's time goes, in scheduler steps and ms, on a hit and a miss: kvpool on Mooncake
     (lookup_wait_ms 0 and default) next to vLLM's MooncakeStoreConnector, same master and placement."""
@@ -320,7 +319,7 @@ def bench_breakdown(
         max_tokens=max_tokens,
         model_kind=model,
         profile=profile,
-        switch_interval_ms=switch_interval_ms,
+        rows=breakdown.ROWS + (breakdown.GIL_ROWS if gil_diagnostic else ()),
     )
     _emit(result, as_json, breakdown.print_table)
 

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,11 +34,18 @@ from typing import Any
 
 from kvpool.benchmarks.breakdown_probe import SAVE_HOOKS, Probe, Record, drive
 
-# (row name, system, kvpool's lookup_wait_ms or None)
-ROWS = (
-    ("kvpool-mooncake wait=0ms", "kvpool-mooncake", 0.0),
-    ("kvpool-mooncake wait=5ms", "kvpool-mooncake", 5.0),
-    ("vllm-mooncake", "vllm-mooncake", None),
+# (row name, system, kvpool's lookup_wait_ms or None, Python's GIL switch interval in ms or None: unchanged)
+Row = tuple[str, str, float | None, float | None]
+ROWS: tuple[Row, ...] = (
+    ("kvpool-mooncake wait=0ms", "kvpool-mooncake", 0.0, None),
+    ("kvpool-mooncake wait=5ms", "kvpool-mooncake", 5.0, None),
+    ("vllm-mooncake", "vllm-mooncake", None, None),
+)
+# a diagnostic: the same with a 0.5 ms GIL switch interval (Python's default is 5 ms), how long a thread
+# that wants the GIL waits while the engine's thread runs Python (its empty steps while a load is awaited)
+GIL_ROWS: tuple[Row, ...] = (
+    ("kvpool-mooncake wait=5ms gil=0.5ms", "kvpool-mooncake", 5.0, 0.5),
+    ("vllm-mooncake gil=0.5ms", "vllm-mooncake", None, 0.5),
 )
 SEGMENT_BYTES = 512 << 20
 KVPOOL_COUNTERS = ("lookups", "lookup_waits", "loads", "load_tokens", "loads_finished", "load_wait_steps")
@@ -82,27 +90,8 @@ def run(
     model_kind: str = "llama-demo",
     block_size: int = 64,
     profile: bool = True,
-    rows: tuple[tuple[str, str, float | None], ...] = ROWS,
-    switch_interval_ms: float | None = None,
+    rows: tuple[Row, ...] = ROWS,
 ) -> dict[str, Any]:
-    """`switch_interval_ms`: Python's GIL switch interval for the run (None: as it is, 5 ms by default):
-    how long a thread that wants the GIL waits while the engine's thread runs Python."""
-    import sys
-
-    previous = sys.getswitchinterval()
-    if switch_interval_ms is not None:
-        sys.setswitchinterval(switch_interval_ms / 1000)
-    try:
-        result = _run(rounds, requests, concurrencies, prompt_tokens, max_tokens, model_kind, block_size, profile, rows)
-    finally:
-        sys.setswitchinterval(previous)
-    result["settings"]["gil_switch_interval_ms"] = switch_interval_ms or previous * 1000
-    return result
-
-
-def _run(rounds: int, requests: int, concurrencies: tuple[int, ...], prompt_tokens: int, max_tokens: int,
-         model_kind: str, block_size: int, profile: bool, rows: tuple[tuple[str, str, float | None], ...],
-         ) -> dict[str, Any]:  # fmt: skip
     from kvpool.testing.models import default_model_dir, make_tiny_model
 
     _quiet_env()
@@ -113,10 +102,16 @@ def _run(rounds: int, requests: int, concurrencies: tuple[int, ...], prompt_toke
     outputs: dict[str, dict[str, Any]] = {}
     for index in range(rounds):
         order = rows[index % len(rows) :] + rows[: index % len(rows)]
-        for name, system, wait_ms in order:
+        for name, system, wait_ms, switch_ms in order:
+            default_switch = sys.getswitchinterval()
             with _pool() as master, _connector(system, master, wait_ms) as config:
                 _fill(model, config, workload, settings)
-                probe_result = _measure(model, config, workload, settings, concurrencies, max_tokens, system)
+                try:
+                    if switch_ms is not None:
+                        sys.setswitchinterval(switch_ms / 1000)
+                    probe_result = _measure(model, config, workload, settings, concurrencies, max_tokens, system)
+                finally:
+                    sys.setswitchinterval(default_switch)
             per_round[name].append(probe_result["cells"])
             outputs.setdefault(name, probe_result["outputs"])
     result: dict[str, Any] = {
@@ -128,6 +123,7 @@ def _run(rounds: int, requests: int, concurrencies: tuple[int, ...], prompt_toke
             "prompt_tokens": prompt_tokens,
             "hit_tokens_expected": prompt_tokens - block_size,
             "max_tokens": max_tokens,
+            "gil_switch_interval_ms": sys.getswitchinterval() * 1000,
             "model": model_kind,
             "block_size": block_size,
             "placement": "mooncake_master + one standalone segment holder on 127.0.0.1; engine clients give "
@@ -148,8 +144,8 @@ def _run(rounds: int, requests: int, concurrencies: tuple[int, ...], prompt_toke
 
         result["profile"] = {
             name: profile_hits(model, name, system, wait_ms, workload, settings, concurrencies, max_tokens)
-            for name, system, wait_ms in rows
-            if wait_ms != 0.0
+            for name, system, wait_ms, switch_ms in rows
+            if wait_ms != 0.0 and switch_ms is None
         }
     return result
 

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-RATE_HZ = 250
+RATE_HZ = 100
 TOP = 10
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
@@ -35,7 +35,7 @@ def py_spy() -> str | None:
 def connector_file(path: str) -> bool:
     """kvpool's own code (not its benches or test helpers), or vLLM's Mooncake store connector."""
     if "/kvpool/" in path:
-        return "/kvpool/benchmarks/" not in path and "/kvpool/testing/" not in path
+        return not any(part in path for part in ("/kvpool/benchmarks/", "/kvpool/testing/", "/kvpool/cli.py"))
     return "/mooncake/store/" in path and "/vllm/" in path
 
 
@@ -70,7 +70,13 @@ def reduce(raw: str, rate_hz: int = RATE_HZ, top: int = TOP) -> dict[str, Any]:
 
     def table(counter: Counter[str]) -> list[dict[str, Any]]:
         return [
-            {"frame": name, "samples": n, "ms": round(n * 1000 / rate_hz, 1), "percent": round(100 * n / total, 2)}
+            {
+                "frame": name,
+                "samples": n,
+                "ms": round(n * 1000 / rate_hz, 1),
+                "percent": round(100 * n / total, 2),
+                "percent_of_connector": round(100 * n / in_connector, 1),
+            }
             for name, n in counter.most_common(top)
         ]
 
@@ -99,11 +105,9 @@ def profile_hits(model: str, name: str, system: str, wait_ms: float | None, work
             _fill(model, config, workload, settings)
             with _engine(model, config, settings) as llm:
                 probe = Probe(llm)  # the same wrappers as the timed runs
-                spy = subprocess.Popen(
-                    [binary, "record", "--pid", str(os.getpid()), "--nonblocking", "--function", "-r", str(RATE_HZ),
-                     "-f", "raw", "-o", out],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                )  # fmt: skip
+                command = [binary, "record", "--pid", str(os.getpid()), "--nonblocking", "--function"]
+                command += ["--full-filenames", "-r", str(RATE_HZ), "-f", "raw", "-o", out]
+                spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 try:
                     per = len(workload.hit) // len(concurrencies)
                     for index, concurrency in enumerate(concurrencies):
