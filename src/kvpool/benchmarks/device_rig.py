@@ -212,7 +212,11 @@ class SyncCounter:
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
     def _wrap(self, owner: Any, name: str, kind: str) -> None:
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
+        if original is None:
+            # vLLM's CPU worker swaps torch.cuda.Event for a placeholder without it (vllm.v1.worker.cpu.shm):
+            # nothing to count in a process that imported it, and a GPU check imports no vLLM
+            return
         counter = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
