@@ -9,6 +9,7 @@ preempted and re-admits it, with its load armed before the step is built.
 
 from __future__ import annotations
 
+from kvpool.metadata import StepMetadata
 from kvpool.scheduler import SchedulerConfig
 from kvpool.scheduler_steps import SchedulerSteps
 from test_scheduler import Pool, full_scheduler, hashes_for
@@ -24,8 +25,10 @@ def stored_prefix(config: SchedulerConfig | None = None) -> tuple[SchedulerSteps
     return SchedulerSteps(core), hashes
 
 
-def run(steps: SchedulerSteps, req: str, hashes: list[bytes], table: tuple[list[int], ...]) -> None:
-    """The request's first scheduled step after its load: its whole table, computing the rest."""
+def run(
+    steps: SchedulerSteps, req: str, hashes: list[bytes], table: tuple[list[int], ...], computed_before: int = 128
+) -> StepMetadata:
+    """The request's first scheduled step after its load: its whole table, computing the rest of 144."""
     step = steps.begin([], lambda _: None)
     steps.add(
         step,
@@ -34,9 +37,10 @@ def run(steps: SchedulerSteps, req: str, hashes: list[bytes], table: tuple[list[
         block_hashes=hashes,
         new_blocks=table,
         whole_table=True,
-        computed_before=128,
-        new_tokens=16,
+        computed_before=computed_before,
+        new_tokens=144 - computed_before,
     )
+    return step
 
 
 def test_every_hit_is_answered_as_a_load_the_engine_waits_for() -> None:
@@ -117,18 +121,7 @@ def test_a_failed_load_is_recomputed_and_saved_again_from_its_start() -> None:
     steps.allocated("r", 144, hashes, 128)
     steps.begin([], {"r": TABLE}.get)
     steps.absorb({13}, set(), ["r"])  # chunk 2 did not load
-    step = steps.begin([], lambda _: None)
-    steps.add(
-        step,
-        "r",
-        num_prompt_tokens=144,
-        block_hashes=hashes,
-        new_blocks=TABLE,
-        whole_table=True,
-        computed_before=32,
-        new_tokens=112,
-    )
-    (delta,) = step.requests
+    (delta,) = run(steps, "r", hashes, TABLE, computed_before=32).requests
     assert delta.save_tokens == 144 and delta.load is None
 
 
