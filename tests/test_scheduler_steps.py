@@ -43,6 +43,17 @@ def run(
     return step
 
 
+def running_after_its_load() -> tuple[SchedulerSteps, list[bytes]]:
+    """Request "r" loaded its 128-token hit into TABLE and runs: the state a reset finds it in."""
+    steps, hashes = stored_prefix()
+    steps.matched("r", hashes, 144, 0)
+    steps.allocated("r", 144, hashes, 128)
+    steps.begin([], {"r": TABLE}.get)
+    steps.absorb(set(), set(), ["r"])
+    run(steps, "r", hashes, TABLE)
+    return steps, hashes
+
+
 def test_every_hit_is_answered_as_a_load_the_engine_waits_for() -> None:
     steps, hashes = stored_prefix()
     assert steps.matched("r", hashes, 144, 0) == (128, True)
@@ -64,12 +75,7 @@ def test_a_reset_that_preempts_and_readmits_in_one_pass_keeps_the_load() -> None
     """`reset_prefix_cache(reset_running_requests=True)`: the running request is preempted between steps;
     the next schedule() looks it up, allocates its load, then builds a step listing it preempted. The
     workers drop the old state first (preempted), then get the new state's first delta with its load."""
-    steps, hashes = stored_prefix()
-    steps.matched("r", hashes, 144, 0)
-    steps.allocated("r", 144, hashes, 128)
-    steps.begin([], {"r": TABLE}.get)
-    steps.absorb(set(), set(), ["r"])
-    run(steps, "r", hashes, TABLE)
+    steps, hashes = running_after_its_load()
     # the reset preempts "r"; the next schedule() re-admits it before building the step
     assert steps.matched("r", hashes, 144, 0) == (128, True)
     new_table = ([21, 22, 23, 24, 25, 26, 27, 28, 29],)
@@ -83,12 +89,7 @@ def test_a_reset_that_preempts_and_readmits_in_one_pass_keeps_the_load() -> None
 
 
 def test_a_readmitted_request_that_does_not_fit_is_preempted_once() -> None:
-    steps, hashes = stored_prefix()
-    steps.matched("r", hashes, 144, 0)
-    steps.allocated("r", 144, hashes, 128)
-    steps.begin([], {"r": TABLE}.get)
-    steps.absorb(set(), set(), ["r"])
-    run(steps, "r", hashes, TABLE)
+    steps, hashes = running_after_its_load()
     steps.matched("r", hashes, 144, 0)  # re-admitted by the reset, but no blocks were free
     step = steps.begin(["r"], lambda _: None)
     assert step.preempted == ["r"] and step.requests == []

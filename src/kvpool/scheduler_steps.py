@@ -97,8 +97,9 @@ class SchedulerSteps:
             self._allocated_at.pop(req_id, None)
         # retired without a preemption the engine listed (a load that failed whole): the workers drop
         # the old state all the same, before the new state's first delta in this step
-        step.preempted.extend(sorted(self._retired.difference(step.preempted)))
-        self._retired.clear()
+        if self._retired:
+            step.preempted.extend(sorted(self._retired.difference(step.preempted)))
+            self._retired.clear()
         for req_id, pending in self._pending.items():
             blocks = table(req_id)
             if blocks is None:

@@ -156,18 +156,11 @@ def _quiet_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-@contextlib.contextmanager
-def _pool() -> Iterator[Any]:
+def _pool() -> contextlib.AbstractContextManager[Any]:
     """A fresh master and one segment holder: no system sees another's (or an earlier round's) chunks."""
-    from kvpool.mooncake_master import start_master
-    from kvpool.segment_holder import SegmentHolder
+    from kvpool.benchmarks.serve_systems import mooncake_pool
 
-    master = start_master()
-    try:
-        with SegmentHolder(master.address, SEGMENT_BYTES):
-            yield master
-    finally:
-        master.stop()
+    return mooncake_pool(SEGMENT_BYTES)
 
 
 @contextlib.contextmanager

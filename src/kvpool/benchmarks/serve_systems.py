@@ -67,7 +67,7 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
     elif name == "kvpool":
         yield SystemSetup(_kvpool({"capacity_bytes": capacity_bytes}))
     elif name in ("vllm-mooncake", "kvpool-mooncake"):
-        with _mooncake_pool(capacity_bytes) as master:
+        with mooncake_pool(capacity_bytes) as master:
             if name == "kvpool-mooncake":
                 options = {**master.backend_options(), "global_segment_size": 0}
                 yield SystemSetup(_kvpool({"backend": "mooncake", "mooncake": options}), env=_mooncake_env())
@@ -117,7 +117,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _mooncake_pool(capacity_bytes: int) -> Iterator[Any]:
+def mooncake_pool(capacity_bytes: int) -> Iterator[Any]:
     """A master on 127.0.0.1 and one segment holder giving the pool `capacity_bytes`."""
     from kvpool.mooncake_master import start_master
     from kvpool.segment_holder import SegmentHolder
