@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvpool.backends.base import Status, Value
+from kvpool.loader import CALL_THREADS
 from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
 from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
 from kvpool.worker import WorkerConfig, WorkerCore
@@ -262,6 +263,41 @@ def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[W
     time.sleep(0.1)  # the abandoned read has returned by now
     assert all(model.read(0, block_id) == bytes([POISON]) * 16 for block_id in tables[0][:8])
     assert expected  # the pool did hold the chunks: only the hang failed the load
+
+
+def test_loads_queued_behind_reads_stuck_in_a_hung_pool_are_failed_with_them(closing: list[WorkerCore]) -> None:
+    """More loads than call threads, every read stuck: once the pool reports itself unhealthy, the
+    running and the queued loads are all reported failed, and none lands when the reads return."""
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    release = threading.Event()
+    original = backend.get_into
+
+    def hung_get(keys: Sequence[str], dests: Value) -> list[Status]:
+        assert release.wait(10)
+        return original(keys, dests)
+
+    backend.get_into = hung_get  # type: ignore[method-assign]
+    requests = [f"r{index}" for index in range(CALL_THREADS + 2)]
+    tables = {}
+    for req in requests:
+        tables[req] = model.tables(144)
+        delta = RequestDelta(req, new_hashes=hashes, new_blocks=tables[req], num_prompt_tokens=144)
+        delta.load = LoadSpec(0, 128)
+        engine.apply([delta])
+    backend.is_healthy = False
+    finished: set[str] = set()
+    began = time.monotonic()
+    while finished != set(requests):
+        assert time.monotonic() - began < 2.0, f"still waiting for {set(requests) - finished}"
+        finished |= engine.take_finished_loads()
+        time.sleep(0.01)
+    loading = {block for req in requests for block in tables[req][0][:8]}
+    assert failed_blocks(engine) == loading
+    for block in loading:
+        model.poison(block)  # the engine recomputes into these blocks (or hands them to another request)
+    release.set()
+    time.sleep(0.2)  # the abandoned reads have returned by now
+    assert all(model.read(0, block) == bytes([POISON]) * 16 for block in loading)
 
 
 @pytest.mark.parametrize("sync_loads", [True, False])

@@ -204,10 +204,17 @@ class KVLayout:
         if self.staged:
             return self.save_rows(group, block_ids)  # copied out of device memory, waited for
         ids = self._ids(group, block_ids)
-        copies = tuple(np.take(view, ids, axis=0) for view in self._views[group])
-        # fresh copies of the layout's views, a row per id
-        rows = Rows.checked(copies, np.arange(len(ids))) if copies else Rows(copies, np.arange(len(ids)))
-        return Rows((*copies, self._sealers[group].seal_column(rows)), rows.ids) if self.sealed else rows
+        # one contiguous row per chunk, seal included: Mooncake moves it as one piece (batch_put_from), not
+        # as a piece per layer, and the copy is cheaper than a fresh array per layer
+        copies = np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8)
+        offset = 0
+        for view in self._views[group]:
+            copies[:, offset : offset + view.shape[1]] = view[ids]
+            offset += view.shape[1]
+        rows = Rows.checked((copies,), np.arange(len(ids)))
+        if self.sealed:
+            copies[:, offset:] = self._sealers[group].seal_column(rows)  # seals cover the first `offset` bytes
+        return rows
 
     def load_rows(self, group: int, block_ids: Sequence[int], *, owned: bool = False) -> Rows:
         """Where the blocks' bytes go, one value per block; call `commit_rows` once they are filled.

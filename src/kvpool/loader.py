@@ -5,22 +5,27 @@ finished (vLLM keeps a request's blocks while it waits for remote KV, and frees 
 only once `finished_recving` names it). Every chunk that did not arrive is reported failed, in a
 `finally`, so the engine never waits forever and never computes on a block nobody wrote.
 
-A remote pool can hang (a stopped master answers nothing, for up to 30 s). So off the engine's
-thread a read goes into a host buffer the load owns, on a call thread, and the loader waits only
-while the pool calls itself healthy: once the call overruns its deadline the pool's breaker opens,
-the loader gives up and reports the chunks failed (the engine recomputes them), and the late read, if
-it ever returns, lands in that buffer, never in a block the engine has reused.
+Off the engine's thread a load is one hand-off: a call thread reads each batch into a host buffer the
+load owns, checks it, commits it to the blocks and reports the load, as vLLM's own receive thread
+does (each extra thread between the read and the report cost a GIL switch interval, up to 5 ms,
+while the engine thread spins steps waiting for the load).
+
+A remote pool can hang (a stopped master answers nothing, for up to 30 s). So a watchdog asks the
+pool whether it is healthy while loads run; once a call overruns its deadline the pool's breaker
+opens and the watchdog reports every running load's uncommitted chunks failed (the engine recomputes
+them). A load is settled exactly once, under its lock, by whichever of the two gets there first: a
+late read, if it ever returns, finds its load settled and lands only in its own buffer, never in a
+block the engine has reused.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpool.backends.base import Backend, Rows, Status
@@ -34,11 +39,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.loader")
 
 LoadDone = Callable[[str, list[ChunkRef]], None]  # (request, chunks that failed)
-HEALTH_POLL_S = 0.005  # how often a waiting load asks the pool whether its call is stuck
+HEALTH_POLL_S = 0.005  # how often the watchdog asks the pool whether a running load's call is stuck
+CALL_THREADS = 4
 
 
-class Abandoned(Exception):
-    """A read was given up: the pool stopped answering while it ran."""
+@dataclass(eq=False)  # one per load, kept in a set by identity
+class _Load:
+    """One load's progress, shared by the thread running it and the watchdog."""
+
+    req_id: str
+    items: list[ChunkRef]
+    missing: list[ChunkRef]
+    after: Event | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    committed: int = 0  # items[:committed] are settled (loaded or failed, in `failed`)
+    failed: list[ChunkRef] = field(default_factory=list)
+    settled: bool = False  # reported: nothing of this load may touch the engine's blocks any more
+
+    def remaining_failed(self) -> list[ChunkRef]:
+        return self.failed + self.items[self.committed :] + self.missing
 
 
 class Loader:
@@ -60,33 +79,35 @@ class Loader:
         self._on_done = on_done
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._pending = 0
         self._finished: set[str] = set()
         self._failed: dict[str, list[ChunkRef]] = {}
-        self._queue: queue.Queue[tuple[str, list[ChunkRef], list[ChunkRef], Event | None] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._running: set[_Load] = set()  # started and not settled
+        self._closed = False
         self._calls: ThreadPoolExecutor | None = None
+        self._watchdog: threading.Thread | None = None
         if not sync:
-            self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvpool-load-call")
-            self._thread = threading.Thread(target=self._run, name="kvpool-loader", daemon=True)
-            self._thread.start()
+            self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="kvpool-load-call")
+            self._watchdog = threading.Thread(target=self._watch, name="kvpool-load-watch", daemon=True)
+            self._watchdog.start()
 
     def start(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> None:
         """Load `items`; `missing` (chunks without a key) fail at once. Reported finished either way."""
-        with self._lock:
-            self._pending += 1
         self.stats.loads += 1
         layout = self._layout()
         # device memory: the load's copy runs after everything the engine queued until now (Model
         # Runner V2 zeroing these very blocks, for one), whichever thread runs it
         after = layout.engine_point() if layout is not None and items else None
-        if self.sync:
-            self._execute(req_id, items, missing, after)
+        load = _Load(req_id, items, missing, after)
+        with self._idle:
+            self._running.add(load)
+            self._idle.notify_all()  # wakes the watchdog
+        if self._calls is None:
+            self._run(load)
         elif not self.backend.healthy():
             # fail now, in the engine's thread: never queue behind a call stuck in the pool's client
-            self._execute(req_id, [], items + missing)
+            self._settle(load)
         else:
-            self._queue.put((req_id, items, missing, after))
+            self._calls.submit(self._run, load)
 
     def fail(self, req_id: str) -> None:
         """A load the engine waits for that cannot run (nothing to load it into): reported finished and
@@ -95,108 +116,118 @@ class Loader:
             self._failed[req_id] = []
             self._finished.add(req_id)
 
-    def _run(self) -> None:
-        while True:
-            entry = self._queue.get()
-            if entry is None:
-                return
-            self._execute(*entry)
-
-    def _execute(
-        self,
-        req_id: str,
-        items: list[ChunkRef],
-        missing: list[ChunkRef],
-        after: Event | None = None,
-    ) -> None:
-        failed: list[ChunkRef] = list(items)
+    def _run(self, load: _Load) -> None:
+        """Read, check and commit the load batch by batch, then report it (unless the watchdog did)."""
         try:
-            failed = self._load(items, after)
+            layout = self._layout()
+            if layout is None:
+                raise RuntimeError("load before register_layout: the engine's KV memory is unknown")
+            items = load.items
+            while load.committed < len(items) and not load.settled:
+                if not self.backend.healthy():
+                    break
+                part = items[load.committed : load.committed + self.batch_chunks]
+                try:
+                    reads = self._read(layout, part)
+                except Exception:
+                    # this batch and the ones not tried are unloaded; earlier batches did load
+                    log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
+                    break
+                with load.lock:
+                    if load.settled:
+                        log.warning("the pool stopped answering a read of %d chunks; they were recomputed", len(part))
+                        return
+                    load.failed += self._commit(layout, part, reads, load.after)
+                    load.committed += len(part)
         except Exception:
-            log.exception("load of request %s failed; its blocks will be recomputed", req_id)
+            log.exception("load of request %s failed; its blocks will be recomputed", load.req_id)
         finally:
-            failed += missing
-            self.stats.chunks_load_failed += len(failed)
-            try:
-                self._on_done(req_id, failed)
-            finally:
-                with self._idle:
-                    if failed:
-                        self._failed.setdefault(req_id, []).extend(failed)
-                    self._finished.add(req_id)
-                    self._pending -= 1
-                    self._idle.notify_all()
+            self._settle(load)
 
-    def _load(self, items: list[ChunkRef], after: Event | None) -> list[ChunkRef]:
-        layout = self._layout()
-        if layout is None:
-            raise RuntimeError("load before register_layout: the engine's KV memory is unknown")
-        failed: list[ChunkRef] = []
-        for offset in range(0, len(items), self.batch_chunks):
-            part = items[offset : offset + self.batch_chunks]
-            if not self.backend.healthy():
-                return failed + items[offset:]
-            try:
-                results = self._get(layout, part, after)
-            except Abandoned:
-                log.warning("the pool stopped answering a read of %d chunks; they will be recomputed", len(part))
-                return failed + items[offset:]
-            except Exception:
-                # this batch and the ones not tried are unloaded; earlier batches did load
-                log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
-                return failed + items[offset:]
-            unusable: list[str] = []
-            for item, result in zip(part, results):
-                if result is Status.OK:
-                    self.stats.chunks_loaded += 1
-                    self.stats.bytes_loaded += layout.chunk_nbytes(item.group)
-                else:
-                    failed.append(item)
-                    if result is Status.CORRUPT:
-                        self.stats.chunks_corrupt += 1
-                    if result in (Status.SIZE_MISMATCH, Status.CORRUPT):
-                        unusable.append(item.key)
-            if unusable:
-                # such a chunk can never load: drop it so lookups stop offering it
-                log.warning(
-                    "removing %d pool chunks whose size or seal does not match this engine's blocks", len(unusable)
-                )
-                self.backend.remove(unusable)
-        return failed
-
-    def _get(self, layout: KVLayout, part: list[ChunkRef], after: Event | None) -> list[Status]:
-        """Read one batch into its blocks, one backend call per KV cache group."""
-        results = [Status.ERROR] * len(part)
+    def _read(self, layout: KVLayout, part: list[ChunkRef]) -> list[tuple[int, list[int], Rows, list[Status]]]:
+        """One batch read, one backend call per KV cache group: (group, positions, rows, statuses).
+        Off the engine's thread into host buffers the load owns; in the caller, into the blocks."""
         by_group: dict[int, list[int]] = {}
         for position, item in enumerate(part):
             by_group.setdefault(item.group, []).append(position)
+        reads = []
         for group, positions in by_group.items():
-            block_ids = [part[p].block_id for p in positions]
-            keys = [part[p].key for p in positions]
-            if self._calls is None:
-                rows = layout.load_rows(group, block_ids)
-                statuses = self.backend.get_into(keys, rows)
-            else:
-                rows = layout.load_rows(group, block_ids, owned=True)
-                statuses = self._bounded_get(keys, rows)
+            rows = layout.load_rows(group, [part[p].block_id for p in positions], owned=self._calls is not None)
+            statuses = self.backend.get_into([part[p].key for p in positions], rows)
+            reads.append((group, positions, rows, statuses))
+        return reads
+
+    def _commit(
+        self,
+        layout: KVLayout,
+        part: list[ChunkRef],
+        reads: list[tuple[int, list[int], Rows, list[Status]]],
+        after: Event | None,
+    ) -> list[ChunkRef]:
+        """Move a batch's checked reads into their blocks; the chunks that failed."""
+        failed: list[ChunkRef] = []
+        unusable: list[str] = []
+        loaded = loaded_bytes = corrupt = 0
+        for group, positions, rows, statuses in reads:
             statuses = layout.verify(group, rows, statuses)
+            block_ids = [part[p].block_id for p in positions]
             copied = layout.commit_rows(group, block_ids, rows, [status is Status.OK for status in statuses], after)
             if copied is not None and self._calls is not None:
                 copied.synchronize()  # off the engine's thread: reported finished only once on the device
             for position, status in zip(positions, statuses):
-                results[position] = status
-        return results
+                item = part[position]
+                if status is Status.OK:
+                    loaded += 1
+                    loaded_bytes += layout.chunk_nbytes(item.group)
+                    continue
+                failed.append(item)
+                corrupt += status is Status.CORRUPT
+                if status in (Status.SIZE_MISMATCH, Status.CORRUPT):
+                    unusable.append(item.key)
+        with self._lock:  # call threads run loads side by side
+            self.stats.chunks_loaded += loaded
+            self.stats.bytes_loaded += loaded_bytes
+            self.stats.chunks_corrupt += corrupt
+        if unusable:
+            # such a chunk can never load: drop it so lookups stop offering it
+            log.warning("removing %d pool chunks whose size or seal does not match this engine's blocks", len(unusable))
+            self.backend.remove(unusable)
+        return failed
 
-    def _bounded_get(self, keys: list[str], rows: Rows) -> list[Status]:
-        """The read on a call thread; Abandoned once the pool reports itself unhealthy meanwhile."""
-        assert self._calls is not None
-        call = self._calls.submit(self.backend.get_into, keys, rows)
+    def _settle(self, load: _Load) -> None:
+        """Report the load finished, its uncommitted chunks failed; only the first call does anything."""
+        with load.lock:
+            if load.settled:
+                return
+            load.settled = True
+            failed = load.remaining_failed()
+        with self._lock:
+            self.stats.chunks_load_failed += len(failed)
+        try:
+            self._on_done(load.req_id, failed)
+        finally:
+            with self._idle:
+                if failed:
+                    self._failed.setdefault(load.req_id, []).extend(failed)
+                self._finished.add(load.req_id)
+                self._running.discard(load)
+                self._idle.notify_all()
+
+    def _watch(self) -> None:
+        """While loads run, give up those of a pool that stopped answering (its breaker opened)."""
         while True:
-            try:
-                return call.result(timeout=HEALTH_POLL_S)
-            except FutureTimeout:
-                if not self.backend.healthy():
-                    raise Abandoned from None
+            with self._idle:
+                while not self._running and not self._closed:
+                    self._idle.wait()
+                if self._closed:
+                    return
+            time.sleep(HEALTH_POLL_S)
+            if self.backend.healthy():
+                continue
+            with self._lock:
+                running = list(self._running)
+            for load in running:
+                self._settle(load)  # waits for a batch being committed: those chunks did load
 
     def take_finished(self) -> set[str]:
         if not self._finished:  # most steps; one that lands meanwhile is taken at the next step
@@ -216,7 +247,7 @@ class Loader:
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._idle:
-            while self._pending:
+            while self._running:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -224,8 +255,10 @@ class Loader:
         return True
 
     def close(self, timeout_s: float = 10.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout_s)
+        with self._idle:
+            self._closed = True
+            self._idle.notify_all()
+        if self._watchdog is not None and self._watchdog.is_alive():
+            self._watchdog.join(timeout_s)
         if self._calls is not None:
             self._calls.shutdown(wait=False)  # a call stuck in a hung pool's client is left to it
