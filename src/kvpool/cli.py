@@ -224,13 +224,15 @@ def bench_serve(
     no_fail: NoFail = False,
     systems: Annotated[str, typer.Option(help="systems, comma separated (default: all)")] = "",
     concurrencies: Annotated[str, typer.Option(help="client concurrencies, comma separated")] = "1,4,16",
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (intervals need >= 2; 95% ones >= 6)", min=1)] = 3,
 ) -> None:
     """End to end behind vLLM's OpenAI server with vLLM's serving benchmark client: kvpool next to the peers."""
     from kvpool.benchmarks import serve, serve_systems
 
     names = [part.strip() for part in systems.split(",") if part.strip()] or list(serve_systems.SYSTEMS)
     try:
-        result = serve.run(systems=names, concurrencies=tuple(_ints("--concurrencies", concurrencies)))
+        wanted = tuple(_ints("--concurrencies", concurrencies))
+        result = serve.run(systems=names, concurrencies=wanted, rounds=rounds)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--systems") from exc
     _emit(result, as_json, serve.print_table, no_fail)
@@ -248,6 +250,9 @@ def bench_all(
         str, typer.Option(help="the report to regenerate [default: BENCHMARKS.md; none with --tiny]")
     ] = "",
     tiny: Annotated[bool, typer.Option("--tiny", help="tiny sizes: checks the suite runs, gives no figures")] = False,
+    long: Annotated[
+        bool, typer.Option("--long", help="10 rounds where a bench has rounds: the committed report")
+    ] = False,
 ) -> None:
     """Every bench of the report: results, tables and plots into --out, and BENCHMARKS.md's generated parts."""
     from pathlib import Path
@@ -264,12 +269,13 @@ def bench_all(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
         transient=as_json,
     ) as bar:  # fmt: skip
-        task = bar.add_task("kvpool bench all", total=suite.units(benches, tiny))
+        task = bar.add_task("kvpool bench all", total=suite.units(benches, tiny, long and not tiny))
         result = suite.run(
             benches,
             out_dir=Path(out or ("benchmarks/results-tiny" if tiny else "benchmarks/results")),
             report=Path(report) if report else (None if tiny else Path("BENCHMARKS.md")),
             tiny=tiny,
+            long=long and not tiny,
             progress=lambda what, done: bar.update(task, advance=done, description=what),
         )
     _emit(result, as_json, lambda r: typer.echo(json.dumps(r["verdicts"], indent=2)), no_fail)

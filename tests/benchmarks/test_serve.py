@@ -27,19 +27,36 @@ def rows(result: dict[str, Any], system: str, dataset: str) -> list[dict[str, An
     return [r for r in result["results"] if (r["system"], r["dataset"]) == (system, dataset)]
 
 
-CONNECTORS = ("example", "vllm-mooncake", "lmcache", "kvpool", "kvpool-mooncake")
+CONNECTORS = ("example", "vllm-mooncake", "vllm-mooncake-embedded", "lmcache", "kvpool", "kvpool-mooncake")
 
 
-def test_every_system_serves_every_request_of_every_run(result: dict[str, Any]) -> None:
+def test_every_system_serves_every_request_of_every_run_of_every_round(result: dict[str, Any]) -> None:
     json.loads(json.dumps(result))
     workload = serve.TINY_ARGS["workload"]
     assert not result["failed"]
-    assert len(result["results"]) == len(serve_systems.SYSTEMS) * 2 * len(workload.concurrencies)
+    runs = len(serve_systems.SYSTEMS) * 2 * len(workload.concurrencies) * workload.rounds
+    assert len(result["results"]) == runs
     for row in result["results"]:
         reuse = workload.num_prefixes * workload.prompts_per_prefix
         wanted = reuse if row["dataset"] == "reuse" else workload.random_prompts
         assert (row["sent"], row["completed"], row["failed"]) == (wanted, wanted, 0), row
-        assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0 and row["output_tok_s"] > 0
+        assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0 and row["ttft_mean_ms"] > 0 and row["output_tok_s"] > 0
+        assert row["cpu_s_per_request"] > 0, row  # the server's process tree did the work
+
+
+def test_rounds_run_the_systems_in_rotated_order_on_the_same_prompts(result: dict[str, Any]) -> None:
+    workload = serve.TINY_ARGS["workload"]
+    firsts = []
+    for round_index in range(workload.rounds):
+        rows = [r for r in result["results"] if r["round"] == round_index]
+        firsts.append(rows[0]["system"])
+        seeds = {(r["system"], r["dataset"], r["concurrency"]): r["seed"] for r in rows}
+        for (_, dataset, concurrency), seed in seeds.items():
+            assert seed == seeds["local", dataset, concurrency]  # every system, the same prompts
+    assert len(set(firsts)) == workload.rounds
+    assert len({r["seed"] for r in result["results"] if r["system"] == "local"}) == len(result["results"]) // len(
+        serve_systems.SYSTEMS
+    )  # a fresh draw per run and round
 
 
 def test_hits_come_only_from_where_they_can(result: dict[str, Any]) -> None:
@@ -58,71 +75,99 @@ def test_hits_come_only_from_where_they_can(result: dict[str, Any]) -> None:
 def test_the_probe_pushes_prompts_out_of_the_engine_and_only_a_pool_brings_them_back(
     result: dict[str, Any],
 ) -> None:
-    probe = result["probe"]
     workload = serve.TINY_ARGS["workload"]
     whole_blocks = (workload.prompt_len - 1) // workload.block_size * workload.block_size  # the last token computes
-    assert probe["none"]["again_cached_tokens"] == probe["none"]["evicted_cached_tokens"] == 0
-    assert probe["local"]["again_cached_tokens"] == whole_blocks
-    assert probe["local"]["evicted_cached_tokens"] == probe["local"]["evicted_pool_tokens"] == 0  # really evicted
-    for system in CONNECTORS:
-        wanted = 256 if system == "lmcache" else whole_blocks  # LMCache: whole 256-token chunks
-        assert probe[system]["evicted_cached_tokens"] == probe[system]["evicted_pool_tokens"] == wanted, system
+    probes = {(p["system"], p["round"]): p for p in result["probe"]}
+    assert len(probes) == len(serve_systems.SYSTEMS) * workload.rounds
+    for round_index in range(workload.rounds):
+        none, local = probes["none", round_index], probes["local", round_index]
+        assert none["again_cached_tokens"] == none["evicted_cached_tokens"] == 0
+        assert local["again_cached_tokens"] == whole_blocks
+        assert local["evicted_cached_tokens"] == local["evicted_pool_tokens"] == 0  # really evicted
+        for system in CONNECTORS:
+            wanted = 256 if system == "lmcache" else whole_blocks  # LMCache: whole 256-token chunks
+            probe = probes[system, round_index]
+            assert probe["evicted_cached_tokens"] == probe["evicted_pool_tokens"] == wanted, (system, probe)
 
 
-def test_the_summary_judges_each_target_on_measured_ratios(result: dict[str, Any]) -> None:
-    entry = result["summary"]["per_system"]["kvpool"]
-    for key in ("reuse_ttft_p50_vs_none", "control_throughput_vs_none", "control_ttft_p50_vs_none"):
-        assert set(entry[key]["per_concurrency"]) == {"1", "4"}
-        assert isinstance(entry[key]["pass"], bool) and entry[key]["worst"] > 0
-    assert entry["full_hit_vs_local_hit"]["every_probe_served_from_pool"] is True
-    assert entry["full_hit_vs_local_hit"]["ratio"] > 0
-    assert isinstance(result["summary"]["pass"], bool)
+def test_pools_are_smaller_than_the_working_set_yet_hold_a_probe_prompt(result: dict[str, Any]) -> None:
+    workload = result["workload"]
+    assert workload["pool_tokens"] < workload["working_set_tokens"]
+    assert workload["pool_tokens"] >= workload["prefix_len"] + workload["suffix_len"]
+
+
+def test_the_summary_judges_like_for_like_targets_on_paired_rounds(result: dict[str, Any]) -> None:
+    summary = result["summary"]
+    judged = [t for t in summary["targets"] if t["verdict"] is not None]
+    pairs = {(t["system"], t["against"]) for t in judged}
+    assert {("kvpool-mooncake", "vllm-mooncake"), ("kvpool", "vllm-mooncake-embedded"), ("kvpool", "local")} <= pairs
+    for target in judged:
+        assert target["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE")
+        interval = target["ratio"]
+        assert interval["low"] <= interval["estimate"] <= interval["high"] and interval["rounds"] == 2, target
+    assert sum(summary["verdicts"].values()) == len(judged)
+    assert isinstance(summary["pass"], bool)
+    cell = summary["cells"]["kvpool"]["reuse"]["1"]["ttft_mean_ms"]
+    assert cell["low"] <= cell["estimate"] <= cell["high"] and cell["rounds"] == 2
 
 
 def test_the_report_has_tables_targets_and_a_plot(result: dict[str, Any], tmp_path: Path) -> None:
     text = serve.to_markdown(result)
-    for needle in ("**Reuse workload**", "**0%-reuse control**", "**Hit probe**", "full hit vs local hit"):
+    for needle in ("**Reuse workload**", "**0%-reuse control**", "**Hit probe**", "interleaved rounds"):
         assert needle in text
-    assert text.count("| kvpool |") == 2 * 2 + 1  # a row per run, and the probe's
+    assert "`kvpool-mooncake` TTFT mean vs `vllm-mooncake`, reuse at concurrency 1" in text
+    assert text.count("| kvpool |") == 2 * 2 + 1  # a row per dataset and concurrency, and the probe's
     serve.plot(result, tmp_path / "serve.png")
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_missing_figure_fails_its_target_instead_of_passing() -> None:
+def _row(system: str, round_index: int, ttft: float, failed: int = 0) -> dict[str, Any]:
+    return {
+        "system": system,
+        "dataset": "reuse",
+        "concurrency": 1,
+        "round": round_index,
+        "ttft_mean_ms": ttft,
+        "sent": 4,
+        "completed": 4 - failed,
+        "failed": failed,
+    }
+
+
+def test_a_missing_figure_leaves_its_target_inconclusive_instead_of_passing() -> None:
     measured = {
         "workload": {"concurrencies": [1]},
-        "systems": ["kvpool", "example"],
-        "results": [
-            {
-                "system": "kvpool",
-                "dataset": "reuse",
-                "concurrency": 1,
-                "ttft_p50_ms": 10.0,
-                "output_tok_s": 5.0,
-                "sent": 4,
-                "completed": 4,
-                "failed": 0,
-            },
-            # every request failed: vLLM's client reports a TTFT of 0, which must not pass for a fast run
-            {
-                "system": "example",
-                "dataset": "reuse",
-                "concurrency": 1,
-                "ttft_p50_ms": 0.0,
-                "output_tok_s": 0.0,
-                "sent": 4,
-                "completed": 0,
-                "failed": 4,
-            },
-        ],
-        "probe": {},
+        "systems": ["kvpool-mooncake", "vllm-mooncake"],
+        # every request of the peer's runs failed: vLLM's client reports a TTFT of 0, which must not pass
+        "results": [_row("kvpool-mooncake", r, 10.0) for r in range(3)]
+        + [_row("vllm-mooncake", r, 0.0, 4) for r in range(3)],
+        "probe": [],
         "failed": {},
     }
     summary = serve_report.summarize(measured)
-    entry = summary["per_system"]["kvpool"]
-    assert entry["reuse_ttft_p50_vs_none"]["pass"] is None  # no `none` run: not measured
-    assert entry["vs_peers"]["example"]["worst"] is None  # its run failed every request: not measured
+    mean = next(t for t in summary["targets"] if t["metric"] == "ttft_mean_ms")
+    assert mean["ratio"] is None and mean["verdict"] == "INCONCLUSIVE"
     assert summary["pass"] is False
+
+
+def test_a_target_passes_or_fails_only_when_the_whole_interval_says_so() -> None:
+    def measured(factors: list[float]) -> dict[str, Any]:
+        return {
+            "workload": {"concurrencies": [1]},
+            "systems": ["kvpool-mooncake", "vllm-mooncake"],
+            "results": [_row("kvpool-mooncake", r, 100.0 * f) for r, f in enumerate(factors)]
+            + [_row("vllm-mooncake", r, 100.0) for r in range(len(factors))],
+            "probe": [],
+            "failed": {},
+        }
+
+    def mean_verdict(factors: list[float]) -> str:
+        summary = serve_report.summarize(measured(factors))
+        return next(t["verdict"] for t in summary["targets"] if t["metric"] == "ttft_mean_ms")
+
+    assert mean_verdict([0.80, 0.82, 0.79, 0.81]) == "PASS"
+    assert mean_verdict([1.20, 1.22, 1.19, 1.21]) == "FAIL"
+    assert mean_verdict([0.7, 1.3, 0.8, 1.2]) == "INCONCLUSIVE"
 
 
 def test_an_unknown_system_is_named() -> None:

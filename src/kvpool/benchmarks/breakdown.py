@@ -104,7 +104,7 @@ def run(
         order = rows[index % len(rows) :] + rows[: index % len(rows)]
         for name, system, wait_ms, switch_ms in order:
             default_switch = sys.getswitchinterval()
-            with _pool() as master, _connector(system, master, wait_ms) as config:
+            with _pool() as (master, _pids), _connector(system, master, wait_ms) as config:
                 _fill(model, config, workload, settings)
                 try:
                     if switch_ms is not None:

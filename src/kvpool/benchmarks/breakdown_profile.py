@@ -101,7 +101,7 @@ def profile_hits(model: str, name: str, system: str, wait_ms: float | None, work
         return {"error": "py-spy not installed (pip install py-spy)"}
     with tempfile.TemporaryDirectory(prefix="kvpool-breakdown-spy-") as folder:
         out = os.path.join(folder, "stacks.txt")
-        with _pool() as master, _connector(system, master, wait_ms) as config:
+        with _pool() as (master, _pids), _connector(system, master, wait_ms) as config:
             _fill(model, config, workload, settings)
             with _engine(model, config, settings) as llm:
                 probe = Probe(llm)  # the same wrappers as the timed runs

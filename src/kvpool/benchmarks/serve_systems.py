@@ -11,9 +11,15 @@ holder, LMCache's server) running until the context exits. Every pool gets the s
 * `example`: vLLM's `ExampleConnector` (whole requests as files in a temporary folder).
 * `vllm-mooncake`: vLLM's `MooncakeStoreConnector` on a real mooncake_master, its client giving no
   memory (its `standalone-store` mode) and a standalone segment holder giving the pool's.
+* `vllm-mooncake-embedded`: the same connector in its documented default, `embedded` mode: the
+  server's worker gives the pool's memory (its segment, and a local transfer buffer of the same size),
+  so puts and gets on one host are copies inside the server's process.
 * `lmcache`: vLLM's `LMCacheMPConnector` to LMCache's multi-process server (`lmcache_peer`).
-* `kvpool`: kvpool, embedded pool. `kvpool-mooncake`: kvpool on a real master and segment holder,
-  laid out as for `vllm-mooncake`.
+* `kvpool`: kvpool, embedded pool (like for like with `vllm-mooncake-embedded`). `kvpool-mooncake`:
+  kvpool on a real master and segment holder, laid out as for `vllm-mooncake`.
+
+`SystemSetup.pids`: the system's own processes outside the server (master, segment holder, LMCache's
+server), whose CPU time is the system's too.
 
 vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector` are in `UNSUPPORTED`: they refuse to
 start on vLLM's CPU build (CUDA/XPU only); the bench tries each and reports how it failed.
@@ -29,8 +35,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-SYSTEMS = ("none", "local", "example", "vllm-mooncake", "lmcache", "kvpool", "kvpool-mooncake")
-PEERS = ("example", "vllm-mooncake", "lmcache")  # the connectors kvpool is measured against
+SYSTEMS = (
+    "none", "local", "example", "vllm-mooncake", "vllm-mooncake-embedded", "lmcache", "kvpool", "kvpool-mooncake",
+)  # fmt: skip
+PEERS = ("vllm-mooncake", "vllm-mooncake-embedded", "lmcache")  # the connectors kvpool is measured against
+# kvpool system -> the peer in the same placement: (peer, what they share)
+LIKE_FOR_LIKE = {
+    "kvpool-mooncake": ("vllm-mooncake", "both on one mooncake_master and one standalone segment holder"),
+    "kvpool": ("vllm-mooncake-embedded", "both pools in the server's own process"),
+}
 KVPOOL_SYSTEMS = ("kvpool", "kvpool-mooncake")
 UNSUPPORTED = {
     "OffloadingConnector": {"cpu_bytes_to_use": 256 << 20},
@@ -46,6 +59,7 @@ class SystemSetup:
     kv_transfer_config: dict[str, Any] | None
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # the system's processes outside the server
 
 
 @contextlib.contextmanager
@@ -67,25 +81,24 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
     elif name == "kvpool":
         yield SystemSetup(_kvpool({"capacity_bytes": capacity_bytes}))
     elif name in ("vllm-mooncake", "kvpool-mooncake"):
-        with mooncake_pool(capacity_bytes) as master:
+        with mooncake_pool(capacity_bytes) as (master, pids):
             if name == "kvpool-mooncake":
                 options = {**master.backend_options(), "global_segment_size": 0}
-                yield SystemSetup(_kvpool({"backend": "mooncake", "mooncake": options}), env=_mooncake_env())
+                yield SystemSetup(_kvpool({"backend": "mooncake", "mooncake": options}), env=_mooncake_env(), pids=pids)
             else:
-                with _vllm_mooncake_config(master.address) as path:
-                    yield SystemSetup(
-                        {
-                            "kv_connector": "MooncakeStoreConnector",
-                            "kv_role": "kv_both",
-                            "kv_connector_extra_config": {"lookup_rpc_port": _free_port()},
-                        },
-                        env={**_mooncake_env(), "MOONCAKE_CONFIG_PATH": path},
-                    )
+                with _vllm_mooncake_config(master.address, "standalone-store", 0, 64 << 20) as path:
+                    yield _vllm_mooncake(path, pids)
+    elif name == "vllm-mooncake-embedded":
+        from kvpool.mooncake_master import start_master
+
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        with start_master() as master, _vllm_mooncake_config(master.address, "embedded", capacity_bytes) as path:
+            yield _vllm_mooncake(path, [master.pid])
     elif name == "lmcache":
         from kvpool.benchmarks import lmcache_peer
 
         with lmcache_peer.lmcache_mp_server(capacity_bytes=capacity_bytes) as peer:
-            yield SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env))
+            yield SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env), pids=[peer.process.pid])
     else:
         raise ValueError(f"system {name!r}: expected one of {', '.join(SYSTEMS)}")
 
@@ -117,27 +130,42 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def mooncake_pool(capacity_bytes: int) -> Iterator[Any]:
-    """A master on 127.0.0.1 and one segment holder giving the pool `capacity_bytes`."""
+def mooncake_pool(capacity_bytes: int) -> Iterator[tuple[Any, list[int]]]:
+    """A master on 127.0.0.1 and one segment holder giving the pool `capacity_bytes`; with their pids."""
     from kvpool.mooncake_master import start_master
     from kvpool.segment_holder import SegmentHolder
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     master = start_master()
     try:
-        with SegmentHolder(master.address, capacity_bytes):
-            yield master
+        with SegmentHolder(master.address, capacity_bytes) as holder:
+            yield master, [master.pid, holder.process.pid]
     finally:
         master.stop()
 
 
+def _vllm_mooncake(config_path: str, pids: list[int]) -> SystemSetup:
+    return SystemSetup(
+        {
+            "kv_connector": "MooncakeStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lookup_rpc_port": _free_port()},
+        },
+        env={**_mooncake_env(), "MOONCAKE_CONFIG_PATH": config_path},
+        pids=pids,
+    )
+
+
 @contextlib.contextmanager
-def _vllm_mooncake_config(master_address: str) -> Iterator[str]:
-    """The file vLLM's Mooncake store reads from MOONCAKE_CONFIG_PATH: a client that gives no memory."""
+def _vllm_mooncake_config(
+    master_address: str, mode: str, segment_bytes: int, local_buffer_bytes: int | None = None
+) -> Iterator[str]:
+    """The file vLLM's Mooncake store reads from MOONCAKE_CONFIG_PATH. `standalone-store`: a client that
+    gives no memory; `embedded`: the client gives the segment, and a local buffer of the same size."""
     from kvpool.benchmarks.vllm_store_reference import store_config
 
-    # `standalone-store`: vLLM's name for a client whose pool is another process's segment
-    config = store_config(master_address, "standalone-store", 0, 64 << 20)
+    local = segment_bytes if local_buffer_bytes is None else local_buffer_bytes
+    config = store_config(master_address, mode, segment_bytes, local)
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-vllm-mooncake-") as folder:
         path = os.path.join(folder, "mooncake.json")
         with open(path, "w") as sink:

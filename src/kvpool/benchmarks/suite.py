@@ -43,9 +43,13 @@ class Bench:
         report = importlib.import_module(f"kvpool.benchmarks.{self.report_module}") if self.report_module else module
         return module, report
 
-    def arguments(self, tiny: bool) -> dict[str, Any]:
+    def arguments(self, tiny: bool, long: bool = False) -> dict[str, Any]:
+        """The bench's arguments at a size: tiny, `kvpool bench all`'s, or `--long` (more rounds, where a
+        bench has rounds: what the committed report comes from)."""
         module, _ = self.load()
         args = dict(getattr(module, "TINY_ARGS" if tiny else "ALL_ARGS", {}))
+        if long and not tiny:
+            args = dict(getattr(module, "LONG_ARGS", args))
         args.update(self.run_args.get("tiny" if tiny else "all", {}))
         return args
 
@@ -85,6 +89,7 @@ def run(
     out_dir: Path = RESULTS_DIR,
     report: Path | None = REPORT,
     tiny: bool = False,
+    long: bool = False,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run `benches` in turn; write their results, tables and plots; update the report's generated parts.
@@ -96,7 +101,7 @@ def run(
     started = time.perf_counter()
     for bench in benches:
         module, reporter = bench.load()
-        args = bench.arguments(tiny)
+        args = bench.arguments(tiny, long)
         began = time.perf_counter()
         if bench.name == "serve":
             result = module.run(**args, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
@@ -123,13 +128,13 @@ def run(
     }
 
 
-def units(benches: Sequence[Bench], tiny: bool) -> int:
+def units(benches: Sequence[Bench], tiny: bool, long: bool = False) -> int:
     """The progress total: one unit per bench, the serve bench one per server phase."""
     total = 0
     for bench in benches:
         if bench.name == "serve":
             module, _ = bench.load()
-            args = bench.arguments(tiny)
+            args = bench.arguments(tiny, long)
             total += module.steps(args["systems"], args["workload"], args["try_unsupported"])
         else:
             total += 1
@@ -214,7 +219,8 @@ def _verdict_lines(out_dir: Path) -> str:
         if not table.exists():
             parts.append(f"**{bench.name}**: not run yet (`{bench.command}`)")
             continue
-        lines = [line for line in table.read_text().splitlines() if re.search(r"\) (PASS|FAIL|n/a)$", line)]
+        marked = re.compile(r"\) (PASS|FAIL|INCONCLUSIVE|n/a)$")
+        lines = [line for line in table.read_text().splitlines() if marked.search(line)]
         parts.append(f"**{bench.name}**\n" + ("\n".join(lines) if lines else "- no target"))
     return "\n\n".join(parts)
 

@@ -32,6 +32,7 @@ SAME_CORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 READY_TIMEOUT_S = 240.0  # 25-35 s for a tiny model on 2 cores; TP 2 and a busy machine take longer
 STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
+START_FAILED = ("Worker failed with error", "Engine core initialization failed")
 
 
 class OpenAIServer:
@@ -106,6 +107,9 @@ class OpenAIServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+            tail = self.log_tail()
+            if any(sign in tail for sign in START_FAILED):  # vLLM's API server stays up after its engine died
+                raise RuntimeError(f"the server's engine failed to start:\n{tail}")
             with (
                 contextlib.suppress(OSError, urllib.error.URLError),
                 urllib.request.urlopen(self.url + "/health", timeout=2) as response,
