@@ -232,9 +232,13 @@ class Loader:
             self.stats.bytes_loaded += loaded_bytes
             self.stats.chunks_corrupt += corrupt
         if unusable:
-            # such a chunk can never load: drop it so lookups stop offering it
+            # such a chunk can never load: drop it so lookups stop offering it (a pool call: never on the
+            # engine's thread when a call thread can take it)
             log.warning("removing %d pool chunks whose size or seal does not match this engine's blocks", len(unusable))
-            self.backend.remove(unusable)
+            if self._calls is None:
+                self.backend.remove(unusable)
+            else:
+                self._calls.submit(self.backend.remove, unusable)
         return failed
 
     def _settle(self, load: _Load) -> None:

@@ -104,10 +104,11 @@ class Workload:
 
     @property
     def pool_tokens(self) -> int:
-        """Every pool's capacity: `pool_fraction` of the working set, and never less than a probe prompt
-        with its fillers (the probe measures a pool hit, not the pool's eviction)."""
+        """Every pool's capacity: `pool_fraction` of the working set, and never less than 1.5x a probe
+        prompt with its fillers (the probe measures a pool hit, not the pool's eviction: Mooncake evicts
+        a share of its objects once 95% full, and at 1.0x it lost probe prompts)."""
         probe = self.prompt_len + self.fillers * self.filler_len + self.block_size
-        return max(round(self.working_set_tokens * self.pool_fraction), probe)
+        return max(round(self.working_set_tokens * self.pool_fraction), round(1.5 * probe))
 
     def steps(self, systems: int, try_unsupported: bool) -> int:
         """How many times `run` calls `progress`: per system its start, each run and each probe."""
@@ -123,7 +124,7 @@ TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, 
         prefix_len=256,  # LMCache stores whole 256-token chunks only
         suffix_len=128,
         output_len=4,
-        num_prefixes=4,
+        num_prefixes=5,
         prompts_per_prefix=3,  # a working set above the pool the probe needs
         random_prompts=4,
         concurrencies=(1, 4),
