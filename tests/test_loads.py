@@ -42,6 +42,19 @@ def failed_blocks(engine: WorkerCore) -> set[int]:
     return failures.invalid_blocks
 
 
+def hold_reads(backend: RecordingBackend, release: threading.Event, entered: threading.Event | None = None) -> None:
+    """Every read of `backend` waits for `release`, as in a pool whose master stopped answering."""
+    original = backend.get_into
+
+    def held(keys: Sequence[str], dests: Value) -> list[Status]:
+        if entered is not None:
+            entered.set()
+        assert release.wait(10)
+        return original(keys, dests)
+
+    backend.get_into = held  # type: ignore[method-assign]
+
+
 def load_request(
     engine: WorkerCore,
     model: FakeModel,
@@ -198,13 +211,7 @@ def test_a_failed_load_lowers_the_stored_mark(closing: list[WorkerCore]) -> None
 def test_every_load_is_reported_finished_once(closing: list[WorkerCore]) -> None:
     model, backend, engine, hashes, _ = saved_prefix(closing)
     gate = threading.Event()
-    original = backend.get_into
-
-    def slow_get(keys: Sequence[str], dests: Value) -> list[Status]:
-        assert gate.wait(5)
-        return original(keys, dests)
-
-    backend.get_into = slow_get  # type: ignore[method-assign]
+    hold_reads(backend, gate)
     for req in ("a", "b"):
         delta = RequestDelta(req, new_hashes=hashes, new_blocks=model.tables(144), num_prompt_tokens=144)
         delta.load = LoadSpec(0, 128)
@@ -236,14 +243,7 @@ def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[W
     model, backend, engine, hashes, expected = saved_prefix(closing)
     release = threading.Event()
     entered = threading.Event()
-    original = backend.get_into
-
-    def hung_get(keys: Sequence[str], dests: Value) -> list[Status]:
-        entered.set()
-        assert release.wait(10)
-        return original(keys, dests)
-
-    backend.get_into = hung_get  # type: ignore[method-assign]
+    hold_reads(backend, release, entered)
     tables = model.tables(144)
     delta = RequestDelta("reader", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=144)
     delta.load = LoadSpec(0, 128)
@@ -270,13 +270,7 @@ def test_loads_queued_behind_reads_stuck_in_a_hung_pool_are_failed_with_them(clo
     running and the queued loads are all reported failed, and none lands when the reads return."""
     model, backend, engine, hashes, _ = saved_prefix(closing)
     release = threading.Event()
-    original = backend.get_into
-
-    def hung_get(keys: Sequence[str], dests: Value) -> list[Status]:
-        assert release.wait(10)
-        return original(keys, dests)
-
-    backend.get_into = hung_get  # type: ignore[method-assign]
+    hold_reads(backend, release)
     requests = [f"r{index}" for index in range(CALL_THREADS + 2)]
     tables = {}
     for req in requests:
