@@ -129,21 +129,35 @@ class Step:
     failed_requests: set[str] = field(default_factory=set)
 
 
+SENDER, LOADER = "kvpool-sender", "kvpool-load"  # the worker's thread names, by prefix
+
+
 class FlakyPool(MemoryBackend):
     """The embedded pool, with gets that can be told to fail. The worker's own threads (sender, loader)
-    wait at a gate the engine opens at fixed points of a step: they lag behind the engine as far as
-    they can, yet every run of a test case sees the same pool, so hypothesis can replay it."""
+    wait at a gate the engine opens, for one kind of thread at a time, at fixed points of a step: they
+    lag behind the engine as far as they can, yet every run of a test case sees the same pool, so
+    hypothesis can replay it (a sender let through while the engine waits only for loads would put a
+    timing-dependent share of its batch)."""
 
     fail_gets = 0
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self.gate = threading.Event()
-        self.gated_threads: set[str] = set()  # name prefixes of the threads that wait at the gate
+        self._gate = threading.Condition()
+        self._open: tuple[str, ...] = ()  # name prefixes of the threads let through now
+        self.gated_threads: tuple[str, ...] = (SENDER, LOADER)  # name prefixes of the threads that wait
+
+    def let_through(self, threads: tuple[str, ...]) -> None:
+        with self._gate:
+            self._open = threads
+            self._gate.notify_all()
 
     def _wait(self) -> None:
-        if threading.current_thread().name.startswith(tuple(self.gated_threads)):
-            assert self.gate.wait(10), "the engine never let the worker's thread through"
+        name = threading.current_thread().name
+        if name.startswith(self.gated_threads):
+            with self._gate:
+                opened = self._gate.wait_for(lambda: not self.gated_threads or name.startswith(self._open), 10)
+            assert opened, "the engine never let the worker's thread through"
 
     def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         self._wait()
@@ -223,7 +237,6 @@ class EngineOracle(RuleBasedStateMachine):
             }
             layout = KVLayout(tensors, {name: int(name[1 : name.index(".")]) for name in tensors}, NUM_BLOCKS)
             pool = FlakyPool(LAYERS * ROW * 48)  # smaller than the engine: the pool evicts
-            pool.gated_threads = {"kvpool-sender", "kvpool-load"}
             worker = WorkerCore(
                 pool,
                 self.coord,
@@ -743,9 +756,9 @@ class EngineOracle(RuleBasedStateMachine):
         self._check_pool()
 
     def _let_through(self, rank: Rank, loads_only: bool = False) -> None:
-        rank.pool.gate.set()
+        rank.pool.let_through((LOADER,) if loads_only else (SENDER, LOADER))
         done = rank.worker.loader.drain(10) if loads_only else rank.worker.drain(10)
-        rank.pool.gate.clear()
+        rank.pool.let_through(())
         assert done
 
     def _zero(self, rank: Rank, blocks: list[int]) -> None:
@@ -885,8 +898,8 @@ class EngineOracle(RuleBasedStateMachine):
             return
         try:
             for rank in self.ranks:
-                rank.pool.gated_threads = set()
-                rank.pool.gate.set()  # for a thread already waiting
+                rank.pool.gated_threads = ()
+                rank.pool.let_through(())  # wakes a thread already waiting: nothing is gated now
             for _ in range(TEARDOWN_STEPS):  # every load the engine waits for is reported
                 if not self.queue and not any(r.status == "loading" for r in self.requests.values()):
                     break
