@@ -164,6 +164,23 @@ def test_hybrid_load_uses_the_load_mask_and_skips_null_blocks(closing: list[Work
     assert engine.take_finished_loads() == {"reader"}
 
 
+def test_a_hybrid_models_groups_load_in_one_get_per_batch(closing: list[WorkerCore]) -> None:
+    """One chunk size for every group (vLLM's hybrid page size): a batch is one get, not one per group,
+    and a chunk missing from one group fails only itself."""
+    kinds = [FullAttention(16), SlidingWindow(16, 1000)]
+    model, backend, engine, hashes, expected = saved_prefix(closing, kinds=kinds, tokens=64)
+    backend.remove([model.key(1, hashes, 3)])
+    calls = backend.get_calls
+    tables = load_request(engine, model, "reader", hashes, 0, 64)
+    assert backend.get_calls == calls + 1
+    assert engine.stats.chunks_load_failed == 1 and engine.stats.chunks_loaded == 7
+    for group in range(2):
+        for chunk in range(4 - group):
+            assert model.read(group, tables[group][chunk]) == expected[model.key(group, hashes, chunk)]
+    assert model.read(1, tables[1][3]) == bytes(len(expected[model.key(1, hashes, 3)]))  # never written
+    assert engine.take_finished_loads() == {"reader"}
+
+
 @pytest.mark.parametrize(
     ("kind", "hit", "resumable"),
     [

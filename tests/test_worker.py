@@ -224,6 +224,25 @@ def test_small_saves_of_several_steps_go_out_in_one_put(closing: list[WorkerCore
         assert backend.stored(key, len(value)) == value  # each chunk's own bytes, whatever it was merged with
 
 
+def test_a_hybrid_models_groups_go_out_in_one_put_per_call_not_one_per_group(closing: list[WorkerCore]) -> None:
+    """vLLM gives a hybrid model's groups one page size: their captured chunks share one array, so a
+    remote pool (whose cost is per call) takes a step's chunks, or several steps' merged, in one put."""
+    kinds = [FullAttention(16), SlidingWindow(16, 1000)]
+    model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=8, save_linger_s=10.0), kinds=kinds)
+    _, _, expected = add_request(model, engine, "a", 64)
+    _, _, expected_b = add_request(model, engine, "b", 32)
+    engine.save_request("a", 64)
+    assert engine.drain(5)
+    assert backend.put_calls == 1 and len(backend.put_keys) == 8  # 4 chunks of each group
+    engine.save_request("b", 16)
+    engine.save_request("b", 32)
+    assert engine.drain(5)
+    assert backend.put_calls == 2 and len(backend.put_keys) == 12  # two steps of both groups, merged
+    assert engine.stored_tokens("a") == 64 and engine.stored_tokens("b") == 32
+    for key, value in {**expected, **expected_b}.items():
+        assert backend.stored(key, len(value)) == value  # each chunk's own bytes, whatever group it shared with
+
+
 def test_held_saves_go_after_the_linger_steps_or_time(closing: list[WorkerCore]) -> None:
     model, backend, engine = simple(closing, config=WorkerConfig(save_linger_steps=2, save_linger_s=10.0))
     add_request(model, engine, "a", 64)

@@ -198,15 +198,25 @@ class KVLayout:
             return Rows((blocks, seals), np.arange(len(ids))), staged
         return Rows((blocks,), np.arange(len(ids))), staged
 
-    def copy_rows(self, group: int, block_ids: Sequence[int]) -> Rows:
+    def copy_rows(self, group: int, block_ids: Sequence[int], out: np.ndarray | None = None) -> Rows:
         """Like `save_rows`, but always a host copy the caller owns: the engine may reuse the blocks
-        as soon as this returns."""
+        as soon as this returns. Host memory only: `out`, a C-contiguous uint8 array of one row per
+        block and `stored_nbytes(group)` columns, receives the copy (several groups' blocks can share
+        one array, and so one pool call)."""
         if self.staged:
+            if out is not None:
+                raise ValueError("copy_rows(out=...): device memory is copied through the staging ring")
             return self.save_rows(group, block_ids)  # copied out of device memory, waited for
         ids = self._ids(group, block_ids)
         # one contiguous row per chunk, seal included: Mooncake moves it as one piece (batch_put_from), not
         # as a piece per layer, and the copy is cheaper than a fresh array per layer
-        copies = np.empty((len(ids), self.stored_nbytes(group)), dtype=np.uint8)
+        shape = (len(ids), self.stored_nbytes(group))
+        if out is not None and (out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous):
+            raise ValueError(
+                f"copy_rows out: shape {out.shape}, dtype {out.dtype}: expected a C-contiguous uint8 array of shape "
+                f"{shape} (a row per block of group {group})"
+            )
+        copies = np.empty(shape, dtype=np.uint8) if out is None else out
         offset = 0
         for view in self._views[group]:
             copies[:, offset : offset + view.shape[1]] = view[ids]

@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvpool.backends.base import Backend, Rows, Status
 from kvpool.chunks import ChunkRef
 from kvpool.cuda_runtime import Event
@@ -193,11 +195,30 @@ class Loader:
         by_group: dict[int, list[int]] = {}
         for position, item in enumerate(part):
             by_group.setdefault(item.group, []).append(position)
+        owned = self._calls is not None
+        if owned and not layout.staged and len(by_group) > 1 and len({layout.stored_nbytes(g) for g in by_group}) == 1:
+            return self._read_together(layout, part, by_group)
         reads = []
         for group, positions in by_group.items():
-            rows = layout.load_rows(group, [part[p].block_id for p in positions], owned=self._calls is not None)
+            rows = layout.load_rows(group, [part[p].block_id for p in positions], owned=owned)
             statuses = self.backend.get_into([part[p].key for p in positions], rows)
             reads.append((group, positions, rows, statuses))
+        return reads
+
+    def _read_together(self, layout: KVLayout, part: list[ChunkRef], by_group: dict[int, list[int]]) -> Reads:
+        """Every group's chunks in one backend call (host buffers, one chunk size: a hybrid model's
+        groups): one host buffer, each group's reads a slice of it."""
+        order = [position for positions in by_group.values() for position in positions]
+        buffer = np.empty((len(order), layout.stored_nbytes(part[0].group)), dtype=np.uint8)
+        statuses = self.backend.get_into([part[p].key for p in order], Rows.checked((buffer,), np.arange(len(order))))
+        reads = []
+        start = 0
+        for group, positions in by_group.items():
+            end = start + len(positions)
+            reads.append(
+                (group, positions, Rows.checked((buffer[start:end],), np.arange(len(positions))), statuses[start:end])
+            )
+            start = end
         return reads
 
     def _commit(

@@ -46,6 +46,8 @@ class SaveBatch:
     rows: list[int] = field(default_factory=list)  # per item: its row in captured[item.group]
     nbytes: int = 0
     copying: list[Staged] = field(default_factory=list)  # device copies into `captured` still running
+    # every group's copies are rows of one array (their chunks have one size): one put call for all groups
+    one_array: bool = False
 
     def wait_copied(self) -> None:
         """The captured bytes are valid once this returns (device memory: on the caller's thread)."""
@@ -60,6 +62,10 @@ class SaveBatch:
     def merge(cls, batches: Sequence[SaveBatch]) -> SaveBatch:
         """One batch holding the captured items of `batches`, in order (their host copies are joined:
         merging pays off for small batches, whose put costs far more than their bytes)."""
+        if all(batch.one_array or len(batch.captured or ()) == 1 for batch in batches):
+            joined = cls._merge_arrays(batches)
+            if joined is not None:
+                return joined
         groups = sorted({group for batch in batches for group in batch.captured or {}})
         base: dict[int, int] = dict.fromkeys(groups, 0)  # per group: rows of the batches before
         rows: list[int] = []
@@ -84,8 +90,39 @@ class SaveBatch:
             nbytes=sum(batch.nbytes for batch in batches),
         )
 
+    @classmethod
+    def _merge_arrays(cls, batches: Sequence[SaveBatch]) -> SaveBatch | None:
+        """`merge` of batches each captured as one array of one row width, as one array (one put call);
+        None when their widths differ."""
+        arrays = []
+        for batch in batches:
+            batch.wait_copied()
+            assert batch.captured is not None
+            arrays.append(next(iter(batch.captured.values())).arrays)
+        if any(len(layers) != 1 for layers in arrays) or len({layers[0].shape[1] for layers in arrays}) != 1:
+            return None
+        rows: list[int] = []
+        base = 0
+        for batch, layers in zip(batches, arrays):
+            rows.extend(base + row for row in batch.rows)
+            base += layers[0].shape[0]
+        whole = Rows.checked((np.concatenate([layers[0] for layers in arrays]),), np.arange(base))
+        groups = {group for batch in batches for group in batch.captured or {}}
+        return cls(
+            seq=batches[-1].seq,
+            epoch=batches[-1].epoch,
+            ranges=[part for batch in batches for part in batch.ranges],
+            items=[item for batch in batches for item in batch.items],
+            captured=dict.fromkeys(groups, whole),
+            rows=rows,
+            nbytes=sum(batch.nbytes for batch in batches),
+            one_array=True,
+        )
+
     def capture(self, layout: KVLayout) -> None:
-        """Copy the batch's blocks out of the engine into host memory the batch owns."""
+        """Copy the batch's blocks out of the engine into host memory the batch owns. On the host, when
+        every group's chunks have one size (vLLM gives a hybrid model's groups one page size), all go
+        into one array, so a remote pool takes the batch in one call instead of one per group."""
         groups: dict[int, list[int]] = {}
         self.rows = []
         for item in self.items:
@@ -93,11 +130,25 @@ class SaveBatch:
             self.rows.append(len(ids))
             ids.append(item.block_id)
         self.captured, self.copying = {}, []
+        self.nbytes = sum(layout.chunk_nbytes(group) * len(ids) for group, ids in groups.items())
+        widths = {layout.stored_nbytes(group) for group in groups}
+        if len(groups) > 1 and len(widths) == 1 and not layout.staged:
+            shared = np.empty((len(self.items), widths.pop()), dtype=np.uint8)
+            first: dict[int, int] = {}  # per group: the row of its first block
+            start = 0
+            for group, ids in groups.items():
+                first[group] = start
+                layout.copy_rows(group, ids, out=shared[start : start + len(ids)])
+                start += len(ids)
+            whole = Rows.checked((shared,), np.arange(len(self.items)))
+            self.captured = dict.fromkeys(groups, whole)
+            self.rows = [first[item.group] + row for item, row in zip(self.items, self.rows)]
+            self.one_array = True
+            return
         for group, ids in groups.items():
             self.captured[group], staged = layout.capture_rows(group, ids)
             if staged is not None:
                 self.copying.append(staged)
-        self.nbytes = sum(layout.chunk_nbytes(group) * len(ids) for group, ids in groups.items())
 
     def put(
         self, backend: Backend, layout: KVLayout, *, check_exists: bool, batch_chunks: int, stats: WorkerStats
@@ -113,13 +164,16 @@ class SaveBatch:
             present = backend.exists([item.key for item in items])
             stats.chunks_already_present += sum(present)
             todo = [index for index, there in zip(todo, present) if not there]
+        together: Callable[[int], int] | None = None  # groups whose chunks one put call can take
+        if self.captured is None:
+            together = layout.row_group  # in place: groups sharing arrays
+        elif self.one_array:
+            anyone = next(iter(self.captured))
+            together = lambda group: anyone  # noqa: E731 (every group's copies are in one array)
         for offset in range(0, len(todo), batch_chunks):
             part = todo[offset : offset + batch_chunks]
             statuses = per_group(
-                items,
-                part,
-                lambda group, members: self._put(backend, layout, group, members, stats),
-                layout.row_group if self.captured is None else None,  # in place: groups sharing arrays together
+                items, part, lambda group, members: self._put(backend, layout, group, members, stats), together
             )
             for index, status in zip(part, statuses):
                 results[index] = status
