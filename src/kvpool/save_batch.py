@@ -194,6 +194,7 @@ class SaveBatch:
             captured = self.captured[group]
             rows = Rows(captured.arrays, np.asarray([self.rows[index] for index in members], dtype=np.int64))
         statuses = backend.put(keys, rows)
+        stats.put_calls += 1
         ok = statuses.count(Status.OK)
         stats.chunks_put += ok
         stats.bytes_put += ok * layout.chunk_nbytes(group)

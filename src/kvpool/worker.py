@@ -66,6 +66,7 @@ class WorkerStats:
     chunks_examined: int = 0
     chunks_already_present: int = 0
     chunks_put: int = 0
+    put_calls: int = 0  # backend put calls: a remote pool's cost is mostly per call
     chunks_put_failed: int = 0
     chunks_unreadable: int = 0  # null or freed blocks: nothing to save
     bytes_put: int = 0

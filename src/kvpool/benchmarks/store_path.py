@@ -306,7 +306,9 @@ def _row(mode: str, case: str, context: int, block_size: int, requests: int, m: 
     if "stored" in m:
         row["chunks_stored"], row["chunks_expected"] = int(m["stored"]), int(m["expected"])
     if "jobs" in m:
-        row["save_jobs_per_step"] = round(m["jobs"] / m["steps"], 4)
+        row["save_jobs_per_step"] = round(m["jobs"] / m["steps"], 4)  # each one put call of its sending thread
+    if "put_calls" in m:
+        row["put_calls_per_step"] = round(m["put_calls"] / m["steps"], 4)
     return row
 
 

@@ -36,6 +36,7 @@ class _IncrementalRun:
         self.owns_backend = backend is None
         self.backend: Backend = backend if backend is not None else MemoryBackend(cell.capacity)
         self.drain_each_step = drain_each_step
+        self.put_calls = 0  # the pool's put calls in the last window
         self.engine = WorkerCore(
             self.backend, cell.coordinator, cell.placements, cell.layout, config or WorkerConfig(sync_saves=True)
         )
@@ -109,7 +110,7 @@ class _IncrementalRun:
 
     def window(self, steps: int) -> tuple[float, float, int]:
         engine = self.engine
-        examined0 = engine.stats.chunks_examined
+        examined0, calls0 = engine.stats.chunks_examined, engine.stats.put_calls
         # scheduled: the requests advance before the window (the engine's work), as in vLLM's mode
         plan: list[list[_Step] | None] = list(self.cell.advance(steps)) if self.scheduler else [None] * steps
         gc.collect()
@@ -129,6 +130,7 @@ class _IncrementalRun:
         if not self.drain_each_step and not engine.drain(DRAIN_TIMEOUT_S):
             raise TimeoutError(f"kvpool's saves did not finish within {DRAIN_TIMEOUT_S:.0f} s")
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        self.put_calls = engine.stats.put_calls - calls0
         return cpu, wall, engine.stats.chunks_examined - examined0
 
     def stored(self) -> tuple[int, int]:
@@ -165,17 +167,17 @@ def _measure_incremental(
     try:
         for context, cell in cells.items():
             runs[context] = _IncrementalRun(cell, backend, config, drain_each_step=False, scheduled=True)
-        samples: dict[int, list[tuple[float, float, int]]] = {context: [] for context in cells}
+        samples: dict[int, list[tuple[float, float, int, int]]] = {context: [] for context in cells}
         for _ in range(windows):
             for context, incremental in runs.items():
-                samples[context].append(incremental.window(steps))
+                samples[context].append((*incremental.window(steps), incremental.put_calls))
         stored = {context: incremental.stored() for context, incremental in runs.items()}
     finally:
         for incremental in runs.values():
             incremental.close()
     out = {}
     for context, measured in samples.items():
-        cpu, wall, examined = min(measured)
-        out[context] = {"cpu_s": cpu, "wall_s": wall, "examined": examined, "steps": steps}
+        cpu, wall, examined, calls = min(measured)
+        out[context] = {"cpu_s": cpu, "wall_s": wall, "examined": examined, "steps": steps, "put_calls": calls}
         out[context]["stored"], out[context]["expected"] = stored[context]
     return out
