@@ -238,6 +238,26 @@ def bench_serve(
     _emit(result, as_json, serve.print_table, no_fail)
 
 
+@bench_app.command("shared")
+def bench_shared(
+    as_json: AsJson = False,
+    no_fail: NoFail = False,
+    systems: Annotated[str, typer.Option(help="systems, comma separated (default: both pools and local)")] = "",
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (intervals need >= 2; 95% ones >= 6)", min=1)] = 6,
+    prompts: Annotated[int, typer.Option(help="A's prompts per round (and as many misses on B)", min=1)] = 8,
+) -> None:
+    """Two vLLM servers sharing one Mooncake master: B's TTFT and pool hit rate on A's prompts, kvpool
+    next to vLLM's MooncakeStoreConnector, with B's misses and no connector as controls."""
+    from kvpool.benchmarks import shared
+
+    names = [part.strip() for part in systems.split(",") if part.strip()] or list(shared.SYSTEMS)
+    try:
+        result = shared.run(systems=names, rounds=rounds, prompts=prompts)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _emit(result, as_json, shared.print_table, no_fail)
+
+
 @bench_app.command("all")
 def bench_all(
     as_json: AsJson = False,

@@ -19,7 +19,9 @@ holder, LMCache's server) running until the context exits. Every pool gets the s
   kvpool on a real master and segment holder, laid out as for `vllm-mooncake`.
 
 `SystemSetup.pids`: the system's own processes outside the server (master, segment holder, LMCache's
-server), whose CPU time is the system's too.
+server), whose CPU time is the system's too. `start_shared(name, capacity_bytes, servers)`: the same
+master and segment holder of `vllm-mooncake` or `kvpool-mooncake`, with settings for several servers
+that share the pool (`kvpool bench shared`).
 
 vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector` are in `UNSUPPORTED`: they refuse to
 start on vLLM's CPU build (CUDA/XPU only); the bench tries each and reports how it failed.
@@ -45,6 +47,7 @@ LIKE_FOR_LIKE = {
     "kvpool": ("vllm-mooncake-embedded", "both pools in the server's own process"),
 }
 KVPOOL_SYSTEMS = ("kvpool", "kvpool-mooncake")
+SHARED_SYSTEMS = ("kvpool-mooncake", "vllm-mooncake")  # one master and segment holder for several servers
 UNSUPPORTED = {
     "OffloadingConnector": {"cpu_bytes_to_use": 256 << 20},
     "SimpleCPUOffloadConnector": {},
@@ -60,6 +63,7 @@ class SystemSetup:
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)  # the system's processes outside the server
+    master_admin: str = ""  # the admin HTTP address of the system's mooncake_master, if it has one
 
 
 @contextlib.contextmanager
@@ -80,20 +84,15 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
             )
     elif name == "kvpool":
         yield SystemSetup(_kvpool({"capacity_bytes": capacity_bytes}))
-    elif name in ("vllm-mooncake", "kvpool-mooncake"):
-        with mooncake_pool(capacity_bytes) as (master, pids):
-            if name == "kvpool-mooncake":
-                options = {**master.backend_options(), "global_segment_size": 0}
-                yield SystemSetup(_kvpool({"backend": "mooncake", "mooncake": options}), env=_mooncake_env(), pids=pids)
-            else:
-                with _vllm_mooncake_config(master.address, "standalone-store", 0, 64 << 20) as path:
-                    yield _vllm_mooncake(path, pids)
+    elif name in SHARED_SYSTEMS:
+        with start_shared(name, capacity_bytes, servers=1) as (setup,):
+            yield setup
     elif name == "vllm-mooncake-embedded":
         from kvpool.mooncake_master import start_master
 
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         with start_master() as master, _vllm_mooncake_config(master.address, "embedded", capacity_bytes) as path:
-            yield _vllm_mooncake(path, [master.pid])
+            yield _vllm_mooncake(path, [master.pid], _free_port())
     elif name == "lmcache":
         from kvpool.benchmarks import lmcache_peer
 
@@ -101,6 +100,26 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
             yield SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env), pids=[peer.process.pid])
     else:
         raise ValueError(f"system {name!r}: expected one of {', '.join(SYSTEMS)}")
+
+
+@contextlib.contextmanager
+def start_shared(name: str, capacity_bytes: int, servers: int = 2) -> Iterator[list[SystemSetup]]:
+    """One pool for `servers` servers: `name`'s master and segment holder (`SHARED_SYSTEMS`), and the
+    settings of each server, every one a client of that pool (what one stores, another finds)."""
+    if name not in SHARED_SYSTEMS:
+        raise ValueError(f"system {name!r}: a shared pool is one of {', '.join(SHARED_SYSTEMS)}")
+    with mooncake_pool(capacity_bytes) as (master, pids):
+        admin = f"http://{master.host}:{master.metrics_port}"
+        if name == "kvpool-mooncake":
+            options = {**master.backend_options(), "global_segment_size": 0}
+            config = _kvpool({"backend": "mooncake", "mooncake": options})
+            yield [SystemSetup(config, env=_mooncake_env(), pids=pids, master_admin=admin) for _ in range(servers)]
+        else:
+            with _vllm_mooncake_config(master.address, "standalone-store", 0, 64 << 20) as path:
+                ports: set[int] = set()
+                while len(ports) < servers:  # each server's lookup socket is named by its port
+                    ports.add(_free_port())
+                yield [_vllm_mooncake(path, pids, port, admin) for port in sorted(ports)]
 
 
 def unsupported_setup(connector: str) -> SystemSetup:
@@ -144,15 +163,16 @@ def mooncake_pool(capacity_bytes: int) -> Iterator[tuple[Any, list[int]]]:
         master.stop()
 
 
-def _vllm_mooncake(config_path: str, pids: list[int]) -> SystemSetup:
+def _vllm_mooncake(config_path: str, pids: list[int], lookup_port: int, admin: str = "") -> SystemSetup:
     return SystemSetup(
         {
             "kv_connector": "MooncakeStoreConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lookup_rpc_port": _free_port()},
+            "kv_connector_extra_config": {"lookup_rpc_port": lookup_port},
         },
         env={**_mooncake_env(), "MOONCAKE_CONFIG_PATH": config_path},
         pids=pids,
+        master_admin=admin,
     )
 
 
