@@ -238,6 +238,39 @@ def bench_serve(
     _emit(result, as_json, serve.print_table, no_fail)
 
 
+@bench_app.command("trace")
+def bench_trace(
+    as_json: AsJson = False,
+    no_fail: NoFail = False,
+    systems: Annotated[str, typer.Option(help="systems, comma separated (default: local and the pools)")] = "",
+    concurrencies: Annotated[str, typer.Option(help="client concurrencies, comma separated")] = "4",
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (intervals need >= 2; 95% ones >= 6)", min=1)] = 3,
+    requests: Annotated[int, typer.Option(help="requests of the trace per round", min=1)] = 60,
+    speedup: Annotated[
+        float, typer.Option(help="replay the trace's arrival times this many times faster (0: closed loop)", min=0)
+    ] = 0.0,
+) -> None:
+    """The Mooncake conversation trace replayed behind vLLM's OpenAI server: kvpool next to the peers."""
+    from kvpool.benchmarks import trace
+
+    names = [part.strip() for part in systems.split(",") if part.strip()] or list(trace.SYSTEMS)
+    try:
+        wanted = tuple(_ints("--concurrencies", concurrencies))
+        default = trace.Workload()  # the engine's cache holds the most requests at once, and 8 blocks more
+        cache = max(default.engine_cache_tokens, max(wanted) * default.max_model_len + 8 * default.block_size)
+        result = trace.run(
+            systems=names,
+            concurrencies=wanted,
+            rounds=rounds,
+            requests=requests,
+            speedup=speedup or None,
+            engine_cache_tokens=cache,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _emit(result, as_json, trace.print_table, no_fail)
+
+
 @bench_app.command("shared")
 def bench_shared(
     as_json: AsJson = False,

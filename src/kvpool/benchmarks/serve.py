@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.benchmarks import serve_systems
 from kvpool.benchmarks.serve_report import plot, summarize, to_markdown
@@ -140,6 +140,32 @@ TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, 
 }
 
 
+class Served(Protocol):
+    """What `start_all` reads of a workload (`Workload` here, `trace.Workload` too): the engine's settings,
+    every pool's size, and the warm-up's prompt and fillers."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def engine_cache_tokens(self) -> int: ...
+    @property
+    def concurrencies(self) -> tuple[int, ...]: ...
+    @property
+    def pool_tokens(self) -> int: ...
+    @property
+    def min_pool_bytes(self) -> int: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def filler_len(self) -> int: ...
+    @property
+    def fillers(self) -> int: ...
+
+
 def steps(systems: Sequence[str], workload: Workload, try_unsupported: bool) -> int:
     return workload.steps(len(systems), try_unsupported)
 
@@ -164,37 +190,17 @@ def run(
             raise ValueError(f"system {name!r}: expected one of {', '.join(serve_systems.SYSTEMS)}")
     if workload.rounds < 1:
         raise ValueError(f"rounds {workload.rounds}: expected at least 1")
-    tick = progress or (lambda _: None)
+    tally = Tally(systems, workload.steps(1, False), progress)
+    done, give_up = tally.done, tally.give_up
     model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
     token_bytes = _token_bytes(model, workload.dtype)
     started = time.perf_counter()
     seeds = _seeds(model, workload)
     rows: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
-    failed: dict[str, str] = {}
-    left = {name: workload.steps(1, False) for name in systems}
-
-    def done(name: str, what: str) -> None:
-        left[name] -= 1
-        tick(f"{name}: {what}")
-
-    def give_up(name: str, exc: Exception) -> None:
-        failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
-        for _ in range(left[name]):
-            done(name, "failed")
 
     with contextlib.ExitStack() as stack:
-        running: dict[str, _Running] = {}
-        for name in systems:
-            try:
-                with contextlib.ExitStack() as own:  # a server that fails its warm-up stops at once
-                    system = own.enter_context(_served(name, model, workload, token_bytes))
-                    _warm(system.server, workload)
-                    stack.push(own.pop_all())
-                running[name] = system
-                done(name, "started")
-            except Exception as exc:  # a system that cannot run is reported, the others still are
-                give_up(name, exc)
+        running = start_all(stack, systems, model, workload, token_bytes, tally.started, give_up)
         for round_index in range(workload.rounds):
             for name in rotation([name for name in systems if name in running], round_index):
                 system = running[name]
@@ -215,7 +221,7 @@ def run(
     if try_unsupported:
         for connector in serve_systems.UNSUPPORTED:
             unsupported[connector] = _try_unsupported(connector, model, workload, token_bytes)
-            tick(f"{connector}: tried")
+            tally.tick(f"{connector}: tried")
     result: dict[str, Any] = {
         "bench": "serve",
         "workload": {
@@ -229,12 +235,59 @@ def run(
         "systems": list(systems),
         "results": rows,
         "probe": probes,
-        "failed": failed,
+        "failed": tally.failed,
         "unsupported": unsupported,
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
     result["summary"] = summarize(result)
     return result
+
+
+class Tally:
+    """Per system, the `progress` steps it has left and why it stopped: `done` ticks one step; `give_up`
+    records the failure and ticks every step left, so the total comes out whatever fails."""
+
+    def __init__(self, systems: Sequence[str], steps_each: int, progress: Callable[[str], None] | None) -> None:
+        self.tick = progress or (lambda _: None)
+        self.left = dict.fromkeys(systems, steps_each)
+        self.failed: dict[str, str] = {}
+
+    def done(self, name: str, what: str) -> None:
+        self.left[name] -= 1
+        self.tick(f"{name}: {what}")
+
+    def started(self, name: str) -> None:
+        self.done(name, "started")
+
+    def give_up(self, name: str, exc: Exception) -> None:
+        self.failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
+        for _ in range(self.left[name]):
+            self.done(name, "failed")
+
+
+def start_all(
+    stack: contextlib.ExitStack,
+    systems: Sequence[str],
+    model: Path,
+    workload: Served,
+    token_bytes: int,
+    started: Callable[[str], None],
+    failed: Callable[[str, Exception], None],
+) -> dict[str, _Running]:
+    """Start every system's server, warmed, until `stack` exits. A system that cannot run is passed to
+    `failed` (its server stopped at once) and the others still start."""
+    running: dict[str, _Running] = {}
+    for name in systems:
+        try:
+            with contextlib.ExitStack() as own:  # a server that fails its warm-up stops at once
+                system = own.enter_context(_served(name, model, workload, token_bytes))
+                _warm(system.server, workload)
+                stack.push(own.pop_all())
+            running[name] = system
+            started(name)
+        except Exception as exc:  # a system that cannot run is reported, the others still are
+            failed(name, exc)
+    return running
 
 
 def _seeds(model: Path, workload: Workload) -> dict[tuple[str, int, int], int]:
@@ -273,7 +326,7 @@ def _seeds(model: Path, workload: Workload) -> dict[tuple[str, int, int], int]:
 
 
 @contextlib.contextmanager
-def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Iterator[_Running]:
+def _served(name: str, model: Path, workload: Served, token_bytes: int) -> Iterator[_Running]:
     with (
         serve_systems.start(name, _pool_bytes(workload, token_bytes)) as setup,
         openai_server(
@@ -293,7 +346,7 @@ def _served(name: str, model: Path, workload: Workload, token_bytes: int) -> Ite
         yield _Running(server, setup.pids)
 
 
-def _pool_bytes(workload: Workload, token_bytes: int) -> int:
+def _pool_bytes(workload: Served, token_bytes: int) -> int:
     return max(workload.pool_tokens * token_bytes, workload.min_pool_bytes, MIN_POOL_BYTES)
 
 
@@ -403,7 +456,7 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(length)]
 
 
-def _warm(server: OpenAIServer, workload: Workload) -> None:
+def _warm(server: OpenAIServer, workload: Served) -> None:
     """A miss, then the same prompt once the engine's cache lost it: every path, a pool's load included,
     has run once before anything is measured."""
     rng = random.Random(7)

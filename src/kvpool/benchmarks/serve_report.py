@@ -155,16 +155,22 @@ def probe_cells(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    measured = [target.measure(result) for target in targets(result)]
+def judge(measured: list[dict[str, Any]]) -> tuple[dict[str, int], bool]:
+    """The verdicts of measured targets counted, and whether there is one and every one is PASS."""
     judged = [m["verdict"] for m in measured if m["verdict"] is not None]
     counts = {v.value: judged.count(v.value) for v in Verdict}
+    return counts, bool(judged) and counts[Verdict.PASS.value] == len(judged)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    measured = [target.measure(result) for target in targets(result)]
+    counts, passed = judge(measured)
     return {
         "targets": measured,
         "verdicts": counts,
         "cells": cells(result),
         "probe": probe_cells(result),
-        "pass": bool(judged) and counts[Verdict.PASS.value] == len(judged),
+        "pass": passed,
     }
 
 
