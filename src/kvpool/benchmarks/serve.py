@@ -61,6 +61,7 @@ POOL_HITS = "vllm:external_prefix_cache_hits_total"  # prompt tokens a connector
 START_TIMEOUT_S = 300.0
 MIN_POOL_BYTES = 16 << 20  # a smaller Mooncake segment fails its setup
 UNSUPPORTED_TIMEOUT_S = 120.0
+DEGRADED_LOG_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -514,17 +515,31 @@ def _try_unsupported(connector: str, model: Path, workload: Workload, token_byte
         with openai_server(
             model,
             kv_transfer_config=setup.kv_transfer_config,
-            env=SAME_CORES_ENV,
+            env={**setup.env, **SAME_CORES_ENV},
             text_prompts=True,
             dtype=workload.dtype,
             block_size=workload.block_size,
             max_model_len=workload.max_model_len,
             kv_cache_memory_bytes=workload.engine_cache_tokens * token_bytes,
             ready_timeout_s=UNSUPPORTED_TIMEOUT_S,
-        ):
+        ) as server:
+            degraded = _degraded(server.log_tail(DEGRADED_LOG_BYTES))
+            if degraded:
+                return f"starts in degraded mode, recomputing every request: {degraded}"
             return "started (not expected on the CPU build): not measured"
     except Exception as exc:
         return f"fails at start: {_last_error_line(str(exc))}"
+
+
+def _degraded(log: str) -> str:
+    """The error a connector gave up on at start and then ran without (LMCache: "System will operate
+    in degraded mode"); empty when it did not."""
+    lines = log.splitlines()
+    for index, line in enumerate(lines):
+        if "degraded mode" in line:
+            errors = [earlier for earlier in lines[:index] if "Error:" in earlier]
+            return errors[-1].strip() if errors else line.strip()
+    return ""
 
 
 def _last_error_line(text: str) -> str:

@@ -24,7 +24,10 @@ master and segment holder of `vllm-mooncake` or `kvpool-mooncake`, with settings
 that share the pool (`kvpool bench shared`).
 
 vLLM's `OffloadingConnector` and `SimpleCPUOffloadConnector` are in `UNSUPPORTED`: they refuse to
-start on vLLM's CPU build (CUDA/XPU only); the bench tries each and reports how it failed.
+start on vLLM's CPU build (CUDA/XPU only). So is `LMCacheConnectorV1` (LMCache in the server, its
+local CPU backend, as LMCache's CPU-offloading guide sets it up): it starts, but lmcache 0.5.6 finds no
+CPU transfer path ("No supported cpu connector found"), runs "in degraded mode (recompute)", and every
+lookup then times out (3 s) with no hit. The bench tries each and reports how it failed.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SHARED_SYSTEMS = ("kvpool-mooncake", "vllm-mooncake")  # one master and segment 
 UNSUPPORTED = {
     "OffloadingConnector": {"cpu_bytes_to_use": 256 << 20},
     "SimpleCPUOffloadConnector": {},
+    "LMCacheConnectorV1": {},  # LMCache in the server's worker, its local CPU backend (`lmcache_peer.in_process_setup`)
 }
 KVPOOL_MODULE = "kvpool.integrations.vllm"
 
@@ -123,7 +127,13 @@ def start_shared(name: str, capacity_bytes: int, servers: int = 2) -> Iterator[l
 
 
 def unsupported_setup(connector: str) -> SystemSetup:
-    """The server settings for a connector of `UNSUPPORTED` (expected to fail at start)."""
+    """The server settings for a connector of `UNSUPPORTED` (expected to fail at start, or to start unable
+    to serve a hit)."""
+    if connector == "LMCacheConnectorV1":
+        from kvpool.benchmarks import lmcache_peer
+
+        config, env = lmcache_peer.in_process_setup(capacity_bytes=256 << 20)
+        return SystemSetup(config, env=env)
     return SystemSetup(
         {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": UNSUPPORTED[connector]}
     )
