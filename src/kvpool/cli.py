@@ -238,6 +238,26 @@ def bench_serve(
     _emit(result, as_json, serve.print_table, no_fail)
 
 
+@bench_app.command("trace-hits")
+def bench_trace_hits(
+    as_json: AsJson = False,
+    no_fail: NoFail = False,
+    capacities: Annotated[
+        str, typer.Option(help="pool capacities as shares of the trace's distinct blocks, comma separated")
+    ] = "0.01,0.05,0.1,0.25",
+    limit: Annotated[int, typer.Option(help="the trace's first requests only (0: all 12,031)", min=0)] = 0,
+) -> None:
+    """Hit rates over the whole Mooncake conversation trace: the embedded pool's eviction, plain LRU, Belady's MIN."""
+    from kvpool.benchmarks import trace_hits
+
+    try:
+        shares = [float(part) for part in capacities.split(",") if part.strip()]
+        result = trace_hits.run(capacities=shares, limit=limit or None)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--capacities {capacities!r}: {exc}") from exc
+    _emit(result, as_json, trace_hits.print_table, no_fail)
+
+
 @bench_app.command("trace")
 def bench_trace(
     as_json: AsJson = False,
