@@ -70,12 +70,12 @@ BENCHES: tuple[Bench, ...] = (
     Bench("scale", "Scale: concurrency and the embedded pool at capacity", "kvpool bench scale --json", "scale", {}),
     Bench("serve", "End to end behind vLLM's OpenAI server, next to the peers", "kvpool bench serve --json",
           "serve", {}),
-    Bench("trace-hits", "The Mooncake conversation trace: hit rates of the embedded pool's eviction",
-          "kvpool bench trace-hits --json", "trace_hits", {}),
     Bench("trace", "The Mooncake conversation trace behind vLLM's OpenAI server", "kvpool bench trace --json",
           "trace", {}, "trace_report"),
     Bench("shared", "Two servers sharing one Mooncake pool: B's hits on what A stored",
           "kvpool bench shared --json", "shared", {}),
+    Bench("trace-hits", "The Mooncake conversation trace: hit rates of the embedded pool's eviction",
+          "kvpool bench trace-hits --json", "trace_hits", {}),
 )  # fmt: skip
 NAMES = tuple(bench.name for bench in BENCHES)
 
