@@ -58,7 +58,8 @@ TINY_ARGS: dict[str, Any] = {
     "model_kind": "llama",
     "profile": False,
     # the mechanism, not the speed: a master on a loaded 2-core test machine can take over 5 ms to answer
-    "rows": (ROWS[0], ("kvpool-mooncake wait=500ms", "kvpool-mooncake", 500.0, None), ROWS[2]),
+    # (the longest wait allowed is the lookup's deadline, lookup_timeout_s: 100 ms)
+    "rows": (ROWS[0], ("kvpool-mooncake wait=100ms", "kvpool-mooncake", 100.0, None), ROWS[2]),
 }
 
 
