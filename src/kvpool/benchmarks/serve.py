@@ -58,6 +58,7 @@ __all__ = ["ALL_ARGS", "LONG_ARGS", "TINY_ARGS", "Workload", "plot", "print_tabl
 
 DATASETS = ("reuse", "random")
 POOL_HITS = "vllm:external_prefix_cache_hits_total"  # prompt tokens a connector supplied
+KVPOOL_METRICS = "vllm:kvpool_"  # kvpool's own counters and gauges (kvpool.integrations.vllm_metrics.PREFIX)
 START_TIMEOUT_S = 300.0
 MIN_POOL_BYTES = 16 << 20  # a smaller Mooncake segment fails its setup
 UNSUPPORTED_TIMEOUT_S = 120.0
@@ -473,6 +474,7 @@ def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[s
     rng = random.Random(11 + 1000 * round_index)
     times: dict[str, list[float]] = {"miss": [], "again": [], "evicted": []}
     cached: dict[str, list[int]] = {"again": [], "evicted": [], "evicted_from_pool": []}
+    counters_before = _kvpool_counters(server)
     for _ in range(workload.probe_prompts):
         tokens = _prompt(rng, workload.prompt_len)
         times["miss"].append(_ttft(server, tokens)[0])
@@ -495,7 +497,18 @@ def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[s
         "evicted_ms": _median_ms(times["evicted"]),
         "evicted_cached_tokens": min(cached["evicted"]),
         "evicted_pool_tokens": min(cached["evicted_from_pool"]),  # of those, the tokens a connector loaded
+        "evicted_pool_tokens_each": cached["evicted_from_pool"],
+        # kvpool's own counters over the probe: why a prompt came back short (a full pool, a slow lookup)
+        "kvpool_counters": _counter_deltas(counters_before, _kvpool_counters(server)),
     }
+
+
+def _kvpool_counters(server: OpenAIServer) -> dict[str, float]:
+    return {name: value for name, value in server.metrics().items() if name.startswith(KVPOOL_METRICS)}
+
+
+def _counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name.removeprefix(KVPOOL_METRICS): value - before.get(name, 0.0) for name, value in after.items()}
 
 
 def _ttft(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
