@@ -133,3 +133,25 @@ def test_served_hybrid_prompts_come_back_from_the_pool_with_identical_outputs(hy
     pool = {name: value for name, value in metrics.items() if "kvpool" in name or "prefix_cache" in name}
     assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= len(first) * BOUNDARY, pool
     assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 2 * len(first), pool
+
+
+def test_requests_preempted_under_a_tiny_cache_come_back_from_the_pool_with_identical_outputs(hybrid, pool_name):
+    """A fresh engine whose KV cache (16 blocks) cannot hold four hybrid requests decoding 300 tokens:
+    vLLM preempts some (their blocks, state block included, freed at once) and re-admits them later;
+    each admission loads the boundary state and the attention chunk below it from the pool, and every
+    output equals a run without kvpool (float32: no near-ties to excuse)."""
+    prompts = random_prompts(4, 260, seed=41)  # 260 tokens: a 256-token boundary hit, 4 tokens computed
+    tiny = {**SETTINGS, "dtype": "float32", "kv_cache_memory_bytes": 2 << 20, "max_num_seqs": 4}
+    config = connector_config(pool_name)
+    with engine(hybrid, **tiny) as llm:
+        baseline = generate_greedy(llm, prompts, 300)
+    with engine(hybrid, kv_transfer_config=config, **{**SETTINGS, "dtype": "float32"}) as llm:
+        _run(llm, prompts, max_tokens=4)  # stores each prompt's boundary state and attention chunk
+    with engine(hybrid, kv_transfer_config=config, **tiny) as llm:
+        served, stats, sched_stats, live = _run(llm, prompts, max_tokens=300)
+    assert sched_stats.preemptions >= 1, "the tiny cache preempted nothing: the test lost its point"
+    assert [r.num_cached_tokens for r in served] == [BOUNDARY] * len(prompts)
+    # a preempted request's re-admission is a pool hit again (the engine freed its own blocks)
+    assert sched_stats.loads > len(prompts) and stats.chunks_load_failed == 0
+    assert [r.token_ids for r in served] == [r.token_ids for r in baseline]
+    assert live == 0
