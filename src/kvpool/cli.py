@@ -326,8 +326,13 @@ def bench_all(
     long: Annotated[
         bool, typer.Option("--long", help="10 rounds where a bench has rounds: the committed report")
     ] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="2 rounds and fewer cells: a first look in about half the time")
+    ] = False,
 ) -> None:
     """Every bench of the report: results, tables and plots into --out, and BENCHMARKS.md's generated parts."""
+    if long and quick:
+        raise typer.BadParameter("--long and --quick: pick one (10 rounds, or 2)", param_hint="--quick")
     from pathlib import Path
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -342,13 +347,14 @@ def bench_all(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
         transient=as_json,
     ) as bar:  # fmt: skip
-        task = bar.add_task("kvpool bench all", total=suite.units(benches, tiny, long and not tiny))
+        task = bar.add_task("kvpool bench all", total=suite.units(benches, tiny, long and not tiny, quick))
         result = suite.run(
             benches,
             out_dir=Path(out or ("benchmarks/results-tiny" if tiny else "benchmarks/results")),
             report=Path(report) if report else (None if tiny else Path("BENCHMARKS.md")),
             tiny=tiny,
             long=long and not tiny,
+            quick=quick and not tiny,
             progress=lambda what, done: bar.update(task, advance=done, description=what),
         )
     _emit(result, as_json, lambda r: typer.echo(json.dumps(r["verdicts"], indent=2)), no_fail)

@@ -56,6 +56,11 @@ WINDOWS = 3  # consecutive timed windows of `steps` steps per cell; the cheapest
 DRAIN_TIMEOUT_S = 60.0
 TARGET_SPEEDUP_MIN = 3.0
 TARGET_FLATNESS_MAX = 1.5
+# `kvpool bench all`: the CLI's defaults; tiny: every backend at two short contexts (checks the bench only)
+ALL_ARGS: dict[str, Any] = {
+    "requests": [8, 64], "contexts": [1024, 16384, 131072], "block_sizes": [16, 64], "steps": 64,
+}
+TINY_ARGS: dict[str, Any] = {"requests": [3], "contexts": [64, 256], "block_sizes": [16], "steps": 40}
 
 
 class _KVPoolPair:

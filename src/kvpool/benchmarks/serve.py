@@ -120,6 +120,7 @@ class Workload:
 
 ALL_ARGS: dict[str, Any] = {"workload": Workload(), "systems": serve_systems.SYSTEMS, "try_unsupported": True}
 LONG_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=10)}
+QUICK_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=2, concurrencies=(1, 16))}
 TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, not the figures (~5 min)
     "workload": Workload(
         model_kind="llama-bench-tiny",

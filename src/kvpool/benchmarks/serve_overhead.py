@@ -20,8 +20,10 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
+from kvpool.benchmarks.report import figure, markdown_table, verdict
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
@@ -32,6 +34,8 @@ NOOP_CONNECTOR = {
     "kv_role": "kv_both",
 }
 TARGET_HIT_RATIO = 1.2
+ALL_ARGS: dict[str, Any] = {"prompts": 12, "rounds": 2}
+TINY_ARGS: dict[str, Any] = {"prompts": 2, "rounds": 1, "prompt_tokens": 200}
 TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # the tiny llama in float32: 4 layers x 2 KV heads x K,V x 64 dims x 4 B
 # a hybrid attention + Mamba2 model (`--model-kind granite-hybrid --block-size 128`): vLLM's CPU build needs
 # max_num_batched_tokens=128 for it, and picks a 128-token state block and a 256-token attention block
@@ -148,6 +152,48 @@ def _timed(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
 
 def _median_ms(seconds: list[float]) -> float:
     return round(statistics.median(seconds) * 1000, 2) if seconds else 0.0
+
+
+def _rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(request, baseline figure, kvpool figure, ratio) per row of the table."""
+    return [
+        ("miss (0% reuse)", "miss_ms_without", "miss_ms_with", "miss_ratio"),
+        ("miss, next to a connector that does nothing", "miss_ms_noop_connector", "miss_ms_with",
+         "miss_ratio_vs_noop_connector"),
+        ("hit: engine's own cache / the pool", "local_hit_ms_without", "pool_hit_ms_with", "pool_hit_vs_local_hit"),
+        ("hit, both on the kvpool server: its own cache / the pool", "local_hit_ms_with", "pool_hit_ms_with",
+         "pool_hit_vs_local_hit_same_server"),
+    ]  # fmt: skip
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    rows = [[what, result[base], result[ours], result[ratio]] for what, base, ours, ratio in _rows(result)]
+    lines = [
+        verdict("miss with kvpool / without", result["miss_ratio"], f"<= {TARGET_MISS_RATIO}",
+                result["miss_ratio"] <= TARGET_MISS_RATIO),
+        verdict("pool hit / the engine's own hit", result["pool_hit_vs_local_hit"], f"<= {TARGET_HIT_RATIO}",
+                result["pool_hit_vs_local_hit"] <= TARGET_HIT_RATIO),
+    ]
+    mark = "PASS" if result["pass"] else "FAIL"
+    return (
+        f"Model `{result['model']}`, {result['prompt_tokens']}-token prompts, {result['requests_per_kind']} requests "
+        "a kind, one at a time, servers in turns; medians (ms). One run: no interval (the serve bench's hit "
+        "probe and control give the same comparisons over interleaved rounds).\n\n"
+        + markdown_table(("request", "baseline", "with kvpool", "ratio"), rows)
+        + f"\n\nPool hits {result['pool_hits']} of {result['requests_per_kind']}, {result['pool_tokens']:,} tokens "
+        f"from the pool.\n\n" + "\n".join([*lines, f"- all targets: {mark}"]) + "\n"
+    )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    rows = _rows(result)
+    with figure(path, width=7.0) as (_fig, (ax,)):
+        positions = range(len(rows))
+        ax.bar([p - 0.2 for p in positions], [result[base] for _, base, _, _ in rows], width=0.4, label="baseline")
+        ax.bar([p + 0.2 for p in positions], [result[ours] for _, _, ours, _ in rows], width=0.4, label="with kvpool")
+        ax.set_xticks(list(positions), ["miss", "miss vs no-op", "hit", "hit, same server"])
+        ax.set_ylabel("request latency, ms (median)")
+        ax.legend()
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -106,8 +106,9 @@ class Workload:
 
 
 # on 2 cores: five servers start in ~3-4 min, a round takes ~15 s (ALL ~5-6 min, LONG ~7 min)
-ALL_ARGS: dict[str, Any] = {"workload": Workload(), "systems": SYSTEMS}
+ALL_ARGS: dict[str, Any] = {"workload": Workload(rounds=3), "systems": SYSTEMS}  # `kvpool bench all`: ~6.5 min
 LONG_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=10)}
+QUICK_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=2, prompts=4)}
 TINY_ARGS: dict[str, Any] = {  # checks the bench, not the figures (~3.5 min)
     "workload": Workload(
         model_kind="llama-bench-tiny", prompt_len=256, prompts=2, rounds=2, engine_cache_tokens=1024,

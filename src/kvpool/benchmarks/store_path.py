@@ -46,7 +46,6 @@ from kvpool.benchmarks.store_path_cells import CASES, LAYER_BLOCK_BYTES, LAYERS,
 from kvpool.benchmarks.store_path_kvpool import _IncrementalRun, _measure_incremental
 from kvpool.benchmarks.store_path_report import (
     TARGET_SCALING_MAX,
-    TARGET_SPEEDUP_MIN,
     TARGET_VLLM_MIN,
     plot,
     print_table,
@@ -61,7 +60,6 @@ __all__ = [
     "CASES",
     "MODES",
     "TARGET_SCALING_MAX",
-    "TARGET_SPEEDUP_MIN",
     "TARGET_VLLM_MIN",
     "TINY_ARGS",
     "_Cell",  # `bench scale` drives store-path's cells

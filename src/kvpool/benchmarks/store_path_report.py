@@ -12,7 +12,6 @@ from kvpool.benchmarks.report import figure, markdown_table, verdict
 
 KVPOOL_MODES = ("incremental", "incremental_mooncake")
 TARGET_SCALING_MAX = 1.5  # kvpool modes: largest context vs smallest, per step
-TARGET_SPEEDUP_MIN = 50.0  # full vs incremental at the largest context, per step
 TARGET_VLLM_MIN = 3.0  # vllm vs each kvpool mode at the largest context, per step
 
 _HEADERS = ("mode", "case", "block", "context", "steps", "CPU µs/step", "wall µs/step", "keys examined/step")
@@ -75,15 +74,25 @@ def _verdicts(result: dict[str, Any]) -> list[tuple[str, float | None, str, bool
                             entry[f"vllm_vs_{mode}_pass"],
                         )
                     )
-            if "full_vs_incremental_at_large" in entry:
-                lines.append(
-                    (
-                        f"{where}: full re-check / incremental CPU/step at {large:,} tokens",
-                        entry["full_vs_incremental_at_large"],
-                        f">= {targets['full_vs_incremental_at_large_min']}x",
-                        entry["full_speedup_pass"],
+    return lines
+
+
+def _references(result: dict[str, Any]) -> list[str]:
+    """Figures with no target: the re-check baselines against kvpool's incremental path. A target on
+    them could not fail (the `full` baseline re-checks every key on every step), so they are shown as
+    what they are: the cost of not being incremental, per step and on the steps that complete a block."""
+    summary = result["summary"]
+    large = summary["large_context"]
+    lines = []
+    for case, per_block in summary["per_case"].items():
+        for block, entry in per_block.items():
+            for mode, what in (("full", "full re-check every step"), ("full_on_block", "full re-check per block")):
+                ratio = entry.get(f"{mode}_vs_incremental_at_large")
+                if ratio is not None:
+                    lines.append(
+                        f"- {case}, block {block}: {what} / incremental CPU/step at {large:,} tokens: "
+                        f"{ratio:.3g} (reference)"
                     )
-                )
     return lines
 
 
@@ -110,6 +119,9 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines = [verdict(what, measured, target, passed) for what, measured, target, passed in _verdicts(result)]
     mark = "PASS" if result["summary"]["pass"] else "FAIL"
     parts.append("\n".join([*lines, f"- all targets: {mark}"]))
+    references = _references(result)
+    if references:
+        parts.append("References (no target):\n\n" + "\n".join(references))
     parts.append("\n".join(f"- {note}" for note in result.get("notes", [])))
     return "\n\n".join(parts) + "\n"
 
@@ -210,10 +222,7 @@ def summarize(
                     entry[f"vllm_vs_{mode}_pass"] = speedup is not None and speedup >= TARGET_VLLM_MIN
                     checks.append(entry[f"vllm_vs_{mode}_pass"])
             if "full" in modes and "incremental" in modes:
-                speedup = _ratio(cost("full", large), cost("incremental", large))
-                entry["full_vs_incremental_at_large"] = speedup
-                entry["full_speedup_pass"] = speedup is not None and speedup >= TARGET_SPEEDUP_MIN
-                checks.append(entry["full_speedup_pass"])
+                entry["full_vs_incremental_at_large"] = _ratio(cost("full", large), cost("incremental", large))
             if "full_on_block" in modes and "incremental" in modes:
                 entry["full_on_block_vs_incremental_at_large"] = _ratio(
                     cost("full_on_block", large), cost("incremental", large)
@@ -227,7 +236,6 @@ def summarize(
         "large_context": large,
         "targets": {
             "kvpool_large_vs_small_max": TARGET_SCALING_MAX,
-            "full_vs_incremental_at_large_min": TARGET_SPEEDUP_MIN,
             "vllm_vs_kvpool_at_large_min": TARGET_VLLM_MIN,
         },
         "per_case": per_case,

@@ -43,14 +43,17 @@ class Bench:
         report = importlib.import_module(f"kvpool.benchmarks.{self.report_module}") if self.report_module else module
         return module, report
 
-    def arguments(self, tiny: bool, long: bool = False) -> dict[str, Any]:
-        """The bench's arguments at a size: tiny, `kvpool bench all`'s, or `--long` (more rounds, where a
-        bench has rounds: what the committed report comes from)."""
+    def arguments(self, tiny: bool, long: bool = False, quick: bool = False) -> dict[str, Any]:
+        """The bench's arguments at a size: tiny, `--quick`, `kvpool bench all`'s, or `--long` (more rounds,
+        where a bench has rounds: what the committed report comes from)."""
         module, _ = self.load()
         args = dict(getattr(module, "TINY_ARGS" if tiny else "ALL_ARGS", {}))
         if long and not tiny:
             args = dict(getattr(module, "LONG_ARGS", args))
-        args.update(self.run_args.get("tiny" if tiny else "all", {}))
+        elif quick and not tiny:
+            args = dict(getattr(module, "QUICK_ARGS", args))
+        size = "tiny" if tiny else "quick" if quick and not long and "quick" in self.run_args else "all"
+        args.update(self.run_args.get(size, {}))
         return args
 
 
@@ -68,6 +71,12 @@ BENCHES: tuple[Bench, ...] = (
            "tiny": {"backend": "mooncake", "chunk_sizes": [64 << 10], "pieces": [1], "keys_per_batch": 4, "reps": 2,
                     "min_sample_s": 0.0, "placements": ["local"]}}, "transfer_report"),
     Bench("scale", "Scale: concurrency and the embedded pool at capacity", "kvpool bench scale --json", "scale", {}),
+    Bench("connector-step", "The whole connector per engine step, next to vLLM's own",
+          "kvpool bench connector-step --json", "connector_step",
+          {"quick": {"requests": [8], "contexts": [1024, 131072]}}, "connector_step_report"),
+    Bench("hang", "A hung Mooncake master", "kvpool bench hang --json", "hang", {}),
+    Bench("serve-overhead", "What kvpool costs a request behind vLLM's OpenAI server",
+          "kvpool bench serve-overhead --json", "serve_overhead", {"quick": {"rounds": 1}}),
     Bench("serve", "End to end behind vLLM's OpenAI server, next to the peers", "kvpool bench serve --json",
           "serve", {}),
     Bench("trace", "The Mooncake conversation trace behind vLLM's OpenAI server", "kvpool bench trace --json",
@@ -96,6 +105,7 @@ def run(
     report: Path | None = REPORT,
     tiny: bool = False,
     long: bool = False,
+    quick: bool = False,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run `benches` in turn; write their results, tables and plots; update the report's generated parts.
@@ -105,9 +115,11 @@ def run(
     tick = progress or (lambda _description, _units: None)
     verdicts: dict[str, Any] = {}
     started = time.perf_counter()
+    machine = describe_machine()  # the commit that runs: taken before any result is written
+    machine["size"] = "tiny" if tiny else "long" if long else "quick" if quick else "default"
     for bench in benches:
         module, reporter = bench.load()
-        args = bench.arguments(tiny, long)
+        args = bench.arguments(tiny, long, quick)
         began = time.perf_counter()
         if bench.name == "serve":
             result = module.run(**args, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
@@ -115,13 +127,14 @@ def run(
             tick(f"{bench.name}: running", 0)
             result = module.run(**args)
         result.setdefault("elapsed_s", round(time.perf_counter() - began, 1))
+        result.setdefault("commit", machine["commit"])
+        result.setdefault("size", machine["size"])
         (out_dir / f"{bench.name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         (out_dir / f"{bench.name}.md").write_text(reporter.to_markdown(result))
         reporter.plot(result, out_dir / f"{bench.name}.png")
         verdicts[bench.name] = _passed(result)
         if bench.name != "serve":
             tick(f"{bench.name}: done", 1)
-    machine = describe_machine()
     if report is not None:
         update_report(report, benches, out_dir, machine, tiny)
     return {
@@ -134,13 +147,13 @@ def run(
     }
 
 
-def units(benches: Sequence[Bench], tiny: bool, long: bool = False) -> int:
+def units(benches: Sequence[Bench], tiny: bool, long: bool = False, quick: bool = False) -> int:
     """The progress total: one unit per bench, the serve bench one per server phase."""
     total = 0
     for bench in benches:
         if bench.name == "serve":
             module, _ = bench.load()
-            args = bench.arguments(tiny, long)
+            args = bench.arguments(tiny, long, quick)
             total += module.steps(args["systems"], args["workload"], args["try_unsupported"])
         else:
             total += 1
@@ -178,6 +191,11 @@ def describe_machine() -> dict[str, Any]:
         except Exception:
             versions[package] = "not installed"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    # changes to the code beside the commit (results and the report itself are what a run writes)
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", ".", ":!benchmarks/results*", ":!BENCHMARKS.md"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -185,7 +203,7 @@ def describe_machine() -> dict[str, Any]:
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "versions": versions,
-        "commit": commit.stdout.strip() or "unknown",
+        "commit": (commit.stdout.strip() or "unknown") + (" + uncommitted changes" if changed.stdout.strip() else ""),
         "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -193,7 +211,11 @@ def describe_machine() -> dict[str, Any]:
 def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine: dict[str, Any], tiny: bool) -> None:
     """Replace the generated blocks of `report` (created with a skeleton if missing)."""
     text = report.read_text() if report.exists() else "# kvpool benchmarks\n"
-    size = " (tiny sizes: a test run, not figures)" if tiny else ""
+    size = {
+        "tiny": " (tiny sizes: a test run, not figures)",
+        "quick": " (`--quick`: fewer rounds and cells than the report's)",
+        "long": " (`--long`: 10 rounds where a bench has rounds)",
+    }.get(machine.get("size", ""), "")
     versions = ", ".join(f"{name} {v}" for name, v in machine["versions"].items())
     blocks = {
         "machine": (
