@@ -18,4 +18,8 @@ fi
 .venv/bin/python -c "import kvpool, vllm, mooncake.store" >/dev/null
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break imports beside torch+cpu
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+# NVIDIA Dynamo's standalone KV indexer, beside the venv (its pins must not move vLLM's): the router
+# events test reads kvpool's KV events with it; a machine without network skips that test
+.venv/bin/python -c "from kvpool.testing.router_indexer import ensure_installed; ensure_installed()" \
+  || echo "kvpool: Dynamo's KV indexer could not be installed; its test will be skipped"
 touch .venv/.kvpool-installed

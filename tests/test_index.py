@@ -37,18 +37,32 @@ def test_a_chunk_is_present_once_every_rank_of_every_namespace_holds_it() -> Non
         pool.add_listener(trackers[rank].dropped)
     for rank in (0, 1, 2):
         pools[rank].put([shards[rank // 2].key(chunk(7))], value())
-        trackers[rank].stored([shards[rank // 2].key(chunk(7))])
+        trackers[rank].stored([shards[rank // 2].key(chunk(7))], [b""])
         index.apply(trackers[rank].take_report())  # type: ignore[arg-type]
         assert index.present(0, [chunk(7)]) == [False]
     pools[3].put([shards[1].key(chunk(7))], value())
-    trackers[3].stored([shards[1].key(chunk(7))])
+    trackers[3].stored([shards[1].key(chunk(7))], [b""])
     index.apply(trackers[3].take_report())  # type: ignore[arg-type]
     assert index.present(0, [chunk(7), chunk(8)]) == [True, False]
-    assert index.take_events() == [PoolEvent(0, chunk(7), True)]
+    assert index.take_events() == [PoolEvent(0, chunk(7), True, parent=None)]  # a first chunk: no parent
     pools[1].remove([shards[0].key(chunk(7))])  # any one rank dropping it withdraws it
     index.apply(trackers[1].take_report())  # type: ignore[arg-type]
     assert index.present(0, [chunk(7)]) == [False]
     assert index.take_events() == [PoolEvent(0, chunk(7), False)]
+
+
+def test_a_stored_event_names_its_chunks_parent_and_a_chunk_of_unknown_parent_is_not_announced() -> None:
+    """A router attaches each announced block under its parent: the index says which it is, and keeps
+    quiet about a chunk it cannot place (found in a pool an earlier engine filled, parent unknown),
+    which a router would otherwise take for the start of a prompt."""
+    ns = space(0)
+    index = PoolIndex([[ns]])
+    index.track_events = True
+    tracker = PoolTracker(0, [ns], [ns.key(chunk(9))])  # held before this engine: no parent known
+    tracker.stored([ns.key(chunk(1)), ns.key(chunk(2))], [b"", chunk(1)])
+    index.apply(tracker.take_report())  # type: ignore[arg-type]
+    assert index.take_events() == [PoolEvent(0, chunk(1), True, None), PoolEvent(0, chunk(2), True, chunk(1))]
+    assert index.present(0, [chunk(9)]) == [True]  # still a hit for lookups
 
 
 def test_a_tracker_reports_its_own_namespaces_once_and_what_the_pool_already_held() -> None:

@@ -47,11 +47,13 @@ class PoolReport:
 
 @dataclass(frozen=True)
 class PoolEvent:
-    """A chunk of a group became present in every namespace it needs (`stored`), or stopped being."""
+    """A chunk of a group became present in every namespace it needs (`stored`), or stopped being.
+    A stored chunk's `parent` is the chunk before it in its chain (None: it is the first)."""
 
     group: int
     chunk_hash: bytes
     stored: bool
+    parent: bytes | None = None
 
 
 class PoolTracker:
@@ -253,6 +255,7 @@ class PoolIndex:
                     chains.unlink(h)
                 else:
                     held[h] = count - 1
+        announced: list[tuple[str, bytes]] = []  # chunks now complete: announced once their links are in
         for prefix, hashes in report.stored.items():
             held = self._counts.get(prefix)
             if held is None:
@@ -260,7 +263,7 @@ class PoolIndex:
             for h in hashes:
                 count = held[h] = held.get(h, 0) + 1
                 if self.track_events and count == needed and self._complete(prefix, h):
-                    self._events.append(PoolEvent(self._group_of[prefix], h, True))
+                    announced.append((prefix, h))
         for prefix in {*report.stored, *report.parents}:  # chains, once every count above has moved
             held = self._counts.get(prefix)
             if held is None:
@@ -272,6 +275,12 @@ class PoolIndex:
             for h in report.stored.get(prefix, ()):
                 if present(h):
                     chains.extend(h, present)
+        for prefix, h in announced:
+            # a chunk whose parent is not known (found in a pool an earlier engine filled) is not announced:
+            # without its parent a router would take it for the start of a prompt
+            link = self._chains[prefix].parent.get(h)
+            if link is not None:
+                self._events.append(PoolEvent(self._group_of[prefix], h, True, link or None))
 
     def _complete(self, prefix: str, chunk_hash: bytes) -> bool:
         """Is the chunk held by every rank in every namespace of its group (counting `prefix` as full)?"""

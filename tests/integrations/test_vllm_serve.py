@@ -69,6 +69,9 @@ class EventSubscriber:
         self._socket.close(0)
         self._context.term()
 
+    def of(self, kind: str, medium: str) -> list[dict[str, Any]]:
+        return [event for event in self.events if event.get("type") == kind and event.get("medium") == medium]
+
     def hashes(self, kind: str, medium: str) -> set[int]:
         return {
             h
@@ -76,6 +79,14 @@ class EventSubscriber:
             if event.get("type") == kind and event.get("medium") == medium
             for h in event["block_hashes"]
         }
+
+
+def per_block(event: dict[str, Any]) -> list[tuple[int, int | None, list[int]]]:
+    """A BlockStored event as (hash, parent, tokens) per block (vLLM announces several blocks in one)."""
+    hashes, size = event["block_hashes"], event["block_size"]
+    parents = [event["parent_block_hash"], *hashes[:-1]]
+    tokens = event["token_ids"]
+    return [(h, parent, tokens[i * size : (i + 1) * size]) for i, (h, parent) in enumerate(zip(hashes, parents))]
 
 
 def serve(model: Path, tp: int, prompts: list[list[int]], **extra: Any) -> list[dict[str, Any]]:
@@ -142,3 +153,16 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
     engine_blocks = subscriber.hashes("BlockStored", "GPU")
     assert stored and stored <= engine_blocks
     assert len(stored - removed) >= 6 * 6
+    # each pool event describes its block as vLLM's own event does: same parent, same tokens, so that a
+    # router chains the pool's blocks under their prefixes (a root only for a prompt's first block)
+    engine_blocks_by_hash = {
+        block_hash: (parent, tokens) for event in subscriber.of("BlockStored", "GPU") for block_hash, parent, tokens in
+        per_block(event)
+    }  # fmt: skip
+    pool_events = subscriber.of("BlockStored", "CPU")
+    for event in pool_events:
+        ((block_hash, parent, tokens),) = per_block(event)  # one chunk an event
+        assert (parent, tokens) == engine_blocks_by_hash[block_hash], event
+        assert len(tokens) == BLOCK, event
+        assert event["locality"] == "LOCAL" and event["kv_cache_spec_kind"] == "full_attention", event
+    assert sum(event["parent_block_hash"] is None for event in pool_events) == len(first) + len(others)

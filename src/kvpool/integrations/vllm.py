@@ -87,6 +87,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, self.plan, self.engine_id, vllm_config)
+            self._scheduler.describe_groups(kv_cache_config)
         else:
             self._worker = WorkerSide(self.config, self.plan, self.engine_id, kv_cache_config)
 

@@ -9,8 +9,10 @@ only a request that starts a load has its whole table read from the KV cache man
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvpool.chunk_origins import ChunkOrigins
 from kvpool.config import KVPoolConfig
 from kvpool.index import PoolEvent
 from kvpool.integrations import registry
@@ -26,8 +28,12 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+LOCAL = "LOCAL"  # vLLM's `locality`: the bytes are on this engine's host
 
 
 class SchedulerSide:
@@ -50,6 +56,9 @@ class SchedulerSide:
         self.index = self.role.index
         self._own_backend = self.role.backend
         self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
+        # each stored chunk's event carries its tokens and extra keys, recorded as steps complete it
+        self.origins = ChunkOrigins(plan.coordinator) if self.index is not None and self.index.track_events else None
+        self._group_kinds: list[tuple[str | None, int | None]] = [(None, None)] * len(self._block_sizes)
         self.metrics = SchedulerStatsSampler(self.core.stats)
         registry.register_scheduler(engine_id, self)
 
@@ -126,6 +135,10 @@ class SchedulerSide:
             computed_before=computed_before,
             new_tokens=new_tokens,
         )
+        if self.origins is not None:
+            self.origins.record(
+                request.block_hashes, request.all_token_ids, computed_before, new_tokens, _extra_keys(request)
+            )
 
     def absorb(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -143,7 +156,19 @@ class SchedulerSide:
         return self.steps.finished(request.request_id)
 
     def reset(self) -> bool:
+        if self.origins is not None:
+            self.origins.clear()
         return self.role.reset()
+
+    def describe_groups(self, kv_cache_config: KVCacheConfig) -> None:
+        """Each group's spec kind and window, as vLLM's own events and its OffloadingConnector's name them:
+        a consumer tells a sliding-window or state group's blocks from a contiguous prefix."""
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
+
+        self._group_kinds = [
+            (get_kv_cache_spec_kind(group.kv_cache_spec).value, get_kv_cache_spec_sliding_window(group.kv_cache_spec))
+            for group in kv_cache_config.kv_cache_groups
+        ]
 
     def take_events(self) -> list[KVCacheEvent]:
         if self.index is None or not self.index.track_events:
@@ -151,23 +176,50 @@ class SchedulerSide:
         return [self._event(event) for event in self.index.take_events()]
 
     def _event(self, event: PoolEvent) -> KVCacheEvent:
+        """The embedded pool's chunk as vLLM's own event names a block: medium CPU, local to this engine,
+        its parent, tokens and extra keys (the tokens only while the record of the step that computed it
+        lasts: see `kvpool.chunk_origins`), its group's spec kind and window."""
         from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash, to_event_extra_keys
 
         block_hash = maybe_convert_block_hash(BlockHash(event.chunk_hash))
         if not event.stored:
-            return BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=event.group)
+            return BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=event.group, locality=LOCAL)
+        origin = self.origins.take(event.group, event.chunk_hash) if self.origins is not None else None
+        kind, window = self._group_kinds[event.group]
         return BlockStored(
             block_hashes=[block_hash],
-            parent_block_hash=None,
-            token_ids=[],
+            parent_block_hash=maybe_convert_block_hash(BlockHash(event.parent)) if event.parent else None,
+            token_ids=list(origin.token_ids) if origin is not None else [],
             block_size=self._block_sizes[event.group],
             lora_id=None,
             medium=MEDIUM_CPU,
-            lora_name=None,
+            lora_name=_lora_name(origin.extra_keys) if origin is not None else None,
+            extra_keys=to_event_extra_keys([origin.extra_keys]) if origin is not None and origin.extra_keys else None,
             group_idx=event.group,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            locality=LOCAL,
         )
 
     def close(self) -> None:
         registry.unregister_scheduler(self.engine_id, self)
         self.role.close()
+
+
+def _extra_keys(request: Request) -> Callable[[int, int], tuple[object, ...] | None] | None:
+    """The extra keys vLLM hashes a block of this request with, by token range; None when it hashes none
+    (no LoRA, multimodal input, cache salt or prompt embeddings: most requests)."""
+    if not (request.lora_request or request.mm_features or request.cache_salt or request.prompt_embeds is not None):
+        return None
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    return lambda start, end: generate_block_hash_extra_keys(request, start, end, 0)[0]
+
+
+def _lora_name(extra_keys: tuple[object, ...] | None) -> str | None:
+    """vLLM's events name the LoRA beside the keys; in the keys it is the ("lora", name) entry."""
+    for key in extra_keys or ():
+        if isinstance(key, tuple) and len(key) == 2 and key[0] == "lora" and isinstance(key[1], str):
+            return key[1]
+    return None
