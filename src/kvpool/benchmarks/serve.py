@@ -118,8 +118,12 @@ class Workload:
         return systems * (1 + self.rounds * per_round) + (len(serve_systems.UNSUPPORTED) if try_unsupported else 0)
 
 
-ALL_ARGS: dict[str, Any] = {"workload": Workload(), "systems": serve_systems.SYSTEMS, "try_unsupported": True}
-LONG_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=10)}
+# `kvpool bench all` leaves out the `none` row (prefix caching off: no verdict is taken against it) to stay
+# within the hour; `--long`, the committed report, runs every system
+ALL_ARGS: dict[str, Any] = {
+    "workload": Workload(), "systems": tuple(s for s in serve_systems.SYSTEMS if s != "none"), "try_unsupported": True,
+}
+LONG_ARGS: dict[str, Any] = {**ALL_ARGS, "systems": serve_systems.SYSTEMS, "workload": Workload(rounds=10)}
 QUICK_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=2, concurrencies=(1, 16))}
 TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, not the figures (~5 min)
     "workload": Workload(

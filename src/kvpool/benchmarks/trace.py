@@ -149,11 +149,11 @@ class Workload:
         return systems * (1 + self.rounds * len(self.concurrencies))
 
 
-# `kvpool bench all`: 40 requests a round (3 rounds x 5 systems: ~23 minutes here); `--long`, the committed
-# report: 60 a round, 10 rounds; `--quick`: 2 rounds of 30
-ALL_ARGS: dict[str, Any] = {"workload": Workload(requests=40), "systems": SYSTEMS}
+# `kvpool bench all`: 30 requests a round (3 rounds x 5 systems); `--long`, the committed report: 60 a round,
+# 10 rounds; `--quick`: 2 rounds of 20
+ALL_ARGS: dict[str, Any] = {"workload": Workload(requests=30), "systems": SYSTEMS}
 LONG_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(rounds=10)}
-QUICK_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(requests=30, rounds=2)}
+QUICK_ARGS: dict[str, Any] = {**ALL_ARGS, "workload": Workload(requests=20, rounds=2)}
 TINY_ARGS: dict[str, Any] = {  # every system, at a size that checks the bench, not the figures
     "workload": Workload(
         model_kind="llama-bench-tiny",
