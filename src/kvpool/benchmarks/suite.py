@@ -191,9 +191,10 @@ def describe_machine() -> dict[str, Any]:
         except Exception:
             versions[package] = "not installed"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    # changes to the code beside the commit (results and the report itself are what a run writes)
+    # changes to tracked code beside the commit (results and the report itself are what a run writes; an
+    # untracked file, such as a .venv symlink, is no change to the code)
     changed = subprocess.run(
-        ["git", "status", "--porcelain", "--", ".", ":!benchmarks/results*", ":!BENCHMARKS.md"],
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results*", ":!BENCHMARKS.md"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     return {
