@@ -242,8 +242,15 @@ class EngineOracle(RuleBasedStateMachine):
                 self.coord,
                 [GroupPlacement(space) for space in self.spaces],
                 layout,
-                WorkerConfig(put_batch_chunks=4, sync_saves=sync_saves, sync_loads=sync_loads),
+                # the sender takes its batches only when the engine lets it through (`_let_through` drains
+                # it): taken whenever its thread happened to wake, the batches it merges into one put, and
+                # so the pool's LRU order, would depend on timing, and hypothesis could not replay a case
+                WorkerConfig(
+                    put_batch_chunks=4, sync_saves=sync_saves, sync_loads=sync_loads,
+                    save_linger_steps=1 << 30, save_linger_s=1e9,
+                ),
             )
+            worker._sender.enough_chunks = worker._sender.enough_bytes = 1 << 62
             self.ranks.append(Rank(index, pool, tensors, worker))
         self.scheduler = SchedulerCore(
             self.coord,

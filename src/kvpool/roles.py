@@ -28,6 +28,7 @@ from kvpool.backends.memory import MemoryBackend
 from kvpool.config import KVPoolConfig
 from kvpool.index import PoolIndex, PoolTracker
 from kvpool.plan import ModelPlan
+from kvpool.remote_events import PutTracker, RemoteEvents
 from kvpool.scheduler import Exists, Healthy, SchedulerConfig, SchedulerCore
 from kvpool.worker import WorkerConfig, WorkerCore
 
@@ -43,11 +44,14 @@ class SchedulerRole:
     core: SchedulerCore
     index: PoolIndex | None  # embedded pools: what they hold
     backend: Backend | None  # remote pool: the scheduler's own client
+    events: RemoteEvents | None = None  # remote pool with KV events on: announced from the workers' puts
 
     def reset(self) -> bool:
         """Lookups miss from now on; the workers empty their pools at their next step, before its loads
         (see WorkerCore.reset). A shared pool is emptied now too. False: emptying it failed."""
         self.core.reset()
+        if self.events is not None:
+            self.events.reset(self.core.reset_epoch)
         try:
             if self.backend is not None:
                 self.backend.clear()
@@ -78,11 +82,14 @@ def scheduler_role(
     worker in the same process, whose pool's contents (an earlier engine's saves) count at once."""
     backend: Backend | None = None
     index: PoolIndex | None = None
+    events: RemoteEvents | None = None
     exists: Exists
     healthy: Healthy | None
     if config.backend == "mooncake":
         backend = make_backend("mooncake", dict(config.backend_options(), global_segment_size=0))
         exists, healthy = backend.exists, backend.healthy
+        if track_events:
+            events = RemoteEvents(plan.lookup_namespaces())
     else:
         index = PoolIndex(plan.lookup_namespaces(), ranks_per_namespace=plan.replicas)
         index.track_events = track_events
@@ -105,7 +112,7 @@ def scheduler_role(
         healthy=healthy,
         index=index,
     )
-    return SchedulerRole(core, index, backend)
+    return SchedulerRole(core, index, backend, events)
 
 
 def worker_config(config: KVPoolConfig) -> WorkerConfig:
@@ -125,7 +132,7 @@ def worker_config(config: KVPoolConfig) -> WorkerConfig:
 class WorkerRole:
     core: WorkerCore
     backend: Backend
-    tracker: PoolTracker | None  # an embedded pool's contents, for the scheduler's index
+    tracker: PoolTracker | PutTracker | None  # an embedded pool's contents, or a shared pool's puts
 
     def close(self) -> None:
         if self.tracker is not None and isinstance(self.backend, MemoryBackend):
@@ -135,12 +142,18 @@ class WorkerRole:
         self.backend.close()
 
 
-def worker_role(config: KVPoolConfig, plan: ModelPlan, *, make_backend: MakeBackend = create_backend) -> WorkerRole:
+def worker_role(
+    config: KVPoolConfig, plan: ModelPlan, *, report_puts: bool = False, make_backend: MakeBackend = create_backend
+) -> WorkerRole:
+    """`report_puts`: a shared pool's worker reports what its puts stored, for the scheduler's KV events
+    (an embedded pool's worker always reports what its pool holds: the scheduler's index is made of it)."""
     backend = make_backend(config.backend, config.backend_options())
     placements = plan.placements()
-    tracker: PoolTracker | None = None
+    tracker: PoolTracker | PutTracker | None = None
     if isinstance(backend, MemoryBackend):
         tracker = PoolTracker(plan.rank, [p.keys for p in placements], backend.keys())
         backend.add_listener(tracker.dropped)
+    elif report_puts:
+        tracker = PutTracker(plan.rank, [p.keys for p in placements])
     core = WorkerCore(backend, plan.coordinator, placements, config=worker_config(config), tracker=tracker)
     return WorkerRole(core, backend, tracker)

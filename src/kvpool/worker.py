@@ -34,6 +34,7 @@ from kvpool.loader import Loader
 from kvpool.masks import MaskCoordinator
 from kvpool.metadata import RequestDelta, StepMetadata
 from kvpool.plan import GroupPlacement
+from kvpool.remote_events import PutTracker
 from kvpool.save_batch import SaveBatch
 from kvpool.save_plan import SavePlanner
 from kvpool.sender import Sender
@@ -98,7 +99,7 @@ class WorkerCore:
         placements: Sequence[GroupPlacement],
         layout: KVLayout | None = None,
         config: WorkerConfig | None = None,
-        tracker: PoolTracker | None = None,
+        tracker: PoolTracker | PutTracker | None = None,
     ) -> None:
         if len(placements) != len(coordinator.kinds):
             raise LayoutError(f"{len(placements)} group placements for {len(coordinator.kinds)} groups")
@@ -107,7 +108,8 @@ class WorkerCore:
         self.placements = list(placements)
         self.layout = layout
         self.config = config or WorkerConfig()
-        self.tracker = tracker  # an embedded pool's contents, reported to the scheduler's index
+        # an embedded pool's contents for the scheduler's index, or a shared pool's puts for its KV events
+        self.tracker = tracker
         self.stats = WorkerStats()
         self._lock = threading.Lock()
         self._puts_done = threading.Condition(self._lock)

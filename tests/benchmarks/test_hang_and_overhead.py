@@ -1,6 +1,6 @@
-"""`kvpool bench hang` and `kvpool bench serve-overhead` at tiny size, as `kvpool bench all` runs them: a
-hung master costs a request one short deadline, outputs stay identical and hits come back after it
-resumes; a server with kvpool serves pool hits of prompts its own cache lost."""
+"""`kvpool bench hang` at tiny size, as `kvpool bench all` runs it: a hung master costs a request one short
+deadline, outputs stay identical and hits come back after it resumes. `kvpool bench serve-overhead`'s
+report from a result of its shape (its three servers are the serve bench's systems, tested there)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kvpool.testing.mooncake import mooncake_or_skip
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mooncake_or_skip()
     out = tmp_path_factory.mktemp("results")
-    suite.run(suite.select(["hang", "serve-overhead"]), out_dir=out, report=None, tiny=True)
+    suite.run(suite.select(["hang"]), out_dir=out, report=None, tiny=True)
     return out
 
 
@@ -44,12 +44,17 @@ def test_a_hung_master_costs_a_request_one_deadline_and_never_an_output(results:
     assert (results / "hang.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.timeout(600)
-def test_a_server_with_kvpool_serves_the_prompts_its_own_cache_lost(results: Path) -> None:
-    result = read(results, "serve-overhead")
-    prompts = serve_overhead.TINY_ARGS["prompts"] * serve_overhead.TINY_ARGS["rounds"]
-    assert result["pool_hits"] == result["requests_per_kind"] == prompts
-    assert result["pool_tokens"] >= prompts * 128  # whole 64-token blocks of a 200-token prompt
-    assert min(result[key] for key in ("miss_ms_without", "miss_ms_with", "pool_hit_ms_with")) > 0
-    assert "| miss (0% reuse) |" in (results / "serve-overhead.md").read_text()
-
+def test_the_serve_overhead_report_names_every_ratio_and_its_verdict(tmp_path: Path) -> None:
+    result = {
+        "model": "llama", "prompt_tokens": 200, "requests_per_kind": 2, "miss_ms_without": 20.0,
+        "miss_ms_noop_connector": 21.0, "miss_ms_with": 22.0, "local_hit_ms_without": 10.0, "pool_hit_ms_with": 13.0,
+        "local_hit_ms_with": 9.0, "pool_hits": 2, "pool_tokens": 384, "miss_ratio": 1.1,
+        "miss_ratio_vs_noop_connector": 1.048, "pool_hit_vs_local_hit": 1.3, "pool_hit_vs_local_hit_same_server": 1.444,
+        "targets": "", "pass": False,
+    }  # fmt: skip
+    text = serve_overhead.to_markdown(result)
+    assert "| miss (0% reuse) | 20 | 22 | 1.1 |" in text
+    assert "miss with kvpool / without: **1.1** (target <= 1.05) FAIL" in text
+    assert "pool hit / the engine's own hit: **1.3** (target <= 1.2) FAIL" in text
+    serve_overhead.plot(result, tmp_path / "overhead.png")
+    assert (tmp_path / "overhead.png").read_bytes()[:4] == b"\x89PNG"

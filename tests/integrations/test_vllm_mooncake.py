@@ -457,3 +457,38 @@ def test_tp_ranks_stride_puts_over_mooncake(masters, tmp_path):
                 process.kill()
                 process.wait(10)
         holder.close()
+
+
+def test_kv_events_announce_what_this_engines_workers_put_into_mooncake(llama, masters, monkeypatch):
+    """On Mooncake there is no index: each chunk's BlockStored comes from the worker's put, medium STORAGE,
+    local (the engine gives the pool a segment of its own), chained and with its tokens exactly as vLLM's
+    own event of that block; no removal is published (the master evicts without telling clients)."""
+    import tempfile
+
+    from kvpool.integrations.vllm import _LOCAL_WORKERS
+
+    from .test_vllm_serve import EventSubscriber, per_block
+
+    master = masters()
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    endpoint = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-events-{uuid.uuid4().hex[:8]}'}"
+    subscriber = EventSubscriber(endpoint, "kv")
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    try:
+        config = mooncake_connector(master)
+        with engine(llama, block_size=BLOCK, kv_transfer_config=config, kv_events_config=events) as llm:
+            generate_greedy(llm, SHARED, MAX_TOKENS)
+            settle(llm)
+            assert _LOCAL_WORKERS  # the worker reported its puts from this process
+            time.sleep(0.5)  # the last batches in flight
+    finally:
+        subscriber.close()
+    stored = subscriber.of("BlockStored", "STORAGE")
+    assert len(stored) == len(SHARED) * (PROMPT_TOKENS // BLOCK), stored
+    gpu = subscriber.of("BlockStored", "GPU")
+    own = {h: (parent, tokens) for event in gpu for h, parent, tokens in per_block(event)}
+    for event in stored:
+        ((block_hash, parent, tokens),) = per_block(event)
+        assert (parent, tokens) == own[block_hash] and event["locality"] == "LOCAL", event
+    assert sum(event["parent_block_hash"] is None for event in stored) == len(SHARED)
+    assert not subscriber.of("BlockRemoved", "STORAGE")

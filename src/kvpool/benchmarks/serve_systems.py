@@ -37,7 +37,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SYSTEMS = (
@@ -51,6 +51,7 @@ LIKE_FOR_LIKE = {
 }
 KVPOOL_SYSTEMS = ("kvpool", "kvpool-mooncake")
 SHARED_SYSTEMS = ("kvpool-mooncake", "vllm-mooncake")  # one master and segment holder for several servers
+POOL_SHARING = (*SHARED_SYSTEMS, "lmcache")  # the systems whose one pool several servers can use
 UNSUPPORTED = {
     "OffloadingConnector": {"cpu_bytes_to_use": 256 << 20},
     "SimpleCPUOffloadConnector": {},
@@ -110,8 +111,15 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
 def start_shared(name: str, capacity_bytes: int, servers: int = 2) -> Iterator[list[SystemSetup]]:
     """One pool for `servers` servers: `name`'s master and segment holder (`SHARED_SYSTEMS`), and the
     settings of each server, every one a client of that pool (what one stores, another finds)."""
-    if name not in SHARED_SYSTEMS:
-        raise ValueError(f"system {name!r}: a shared pool is one of {', '.join(SHARED_SYSTEMS)}")
+    if name not in POOL_SHARING:
+        raise ValueError(f"system {name!r}: a shared pool is one of {', '.join(POOL_SHARING)}")
+    if name == "lmcache":  # one LMCache MP server, every server's LMCacheMPConnector its client
+        from kvpool.benchmarks import lmcache_peer
+
+        with lmcache_peer.lmcache_mp_server(capacity_bytes=capacity_bytes) as peer:
+            setup = SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env), pids=[peer.process.pid])
+            yield [replace(setup) for _ in range(servers)]
+        return
     with mooncake_pool(capacity_bytes) as (master, pids):
         admin = f"http://{master.host}:{master.metrics_port}"
         if name == "kvpool-mooncake":

@@ -12,8 +12,10 @@ connector supplied (the server's `vllm:external_prefix_cache_hits_total`, read b
 request) over the prompt tokens: B's pool hit rate.
 
 Systems: `kvpool-mooncake` (kvpool) and `vllm-mooncake` (vLLM's `MooncakeStoreConnector`), each with its
-own fresh master and holder, and `local`: B alone, with no connector (vLLM's prefix cache on, cold for
-these prompts), which computes everything: the baseline.
+own fresh master and holder; `lmcache` (vLLM's `LMCacheMPConnector`, both servers clients of one LMCache
+MP server, which shows no key count: A's stores get `unwatched_settle_s` to land); and `local`: B alone,
+with no connector (vLLM's prefix cache on, cold for these prompts), which computes everything: the
+baseline.
 
 Why it is fair. Every server runs the same model, weights, engine settings and cores
 (`SAME_CORES_ENV`); both connectors get the same placement and capacity, which holds every round (no
@@ -58,7 +60,7 @@ from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
 __all__ = ["ALL_ARGS", "LONG_ARGS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "summarize", "to_markdown"]
 
-SYSTEMS = ("kvpool-mooncake", "vllm-mooncake", "local")
+SYSTEMS = ("kvpool-mooncake", "vllm-mooncake", "lmcache", "local")
 HASH_SEED = "0"  # every server's PYTHONHASHSEED: vLLM's block hashes, and so both connectors' keys, agree
 # (system, against, figure, limit or None for a reference, the target is "at most")
 TARGETS: tuple[tuple[str, str, str, float | None, bool], ...] = (
@@ -67,6 +69,8 @@ TARGETS: tuple[tuple[str, str, str, float | None, bool], ...] = (
     ("kvpool-mooncake", "vllm-mooncake", "miss_ms", None, True),
     ("kvpool-mooncake", "local", "hit_ms", 1.0, True),
     ("vllm-mooncake", "local", "hit_ms", None, True),
+    ("kvpool-mooncake", "lmcache", "hit_ms", None, True),
+    ("lmcache", "local", "hit_ms", None, True),
 )
 LABELS = {"hit_ms": "B's hit TTFT", "miss_ms": "B's miss TTFT", "pool_hit_rate": "B's pool hit rate"}
 
@@ -84,6 +88,7 @@ class Workload:
     dtype: str = "bfloat16"
     settle_s: float = 0.5  # A's stores have landed once the master's key count holds still this long
     settle_timeout_s: float = 30.0
+    unwatched_settle_s: float = 2.0  # a pool with no key count to watch (LMCache's MP server): a fixed wait
 
     @property
     def request_len(self) -> int:
@@ -204,7 +209,12 @@ def _request(server: OpenAIServer, prompt: list[int]) -> tuple[float, int, int]:
 def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, Any]:
     """A serves the sources (when there is an A), then B the hits and the misses, alternating."""
     row: dict[str, Any] = {"a_ttft_ms": None, "a_keys": None, "settle_s": None, "evicted": None}
-    if pair.a is not None:
+    if pair.a is not None and not pair.master_admin:
+        # LMCache's MP server: no key count to watch, so A's stores get a fixed time to land
+        row["a_ttft_ms"] = serve._median_ms([serve._ttft(pair.a, p)[0] for p in prompts.sources])
+        time.sleep(workload.unwatched_settle_s)
+        row["settle_s"] = workload.unwatched_settle_s
+    elif pair.a is not None:
         keys, evicted = _master_counts(pair.master_admin)
         row["a_ttft_ms"] = serve._median_ms([serve._ttft(pair.a, p)[0] for p in prompts.sources])
         settled, row["settle_s"] = settle(
@@ -216,7 +226,7 @@ def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, 
         order = [("hit", hit), ("miss", miss)] if i % 2 == 0 else [("miss", miss), ("hit", hit)]
         for kind, prompt in order:
             measured[kind].append(_request(pair.b, prompt))
-    if pair.a is not None:
+    if pair.a is not None and pair.master_admin:
         row["evicted"] = _master_counts(pair.master_admin)[1] - evicted
     hits, misses = measured["hit"], measured["miss"]
     hit_tokens = sum(pool for _, _, pool in hits)
@@ -301,13 +311,15 @@ def _series(result: dict[str, Any], system: str, key: str) -> dict[int, float]:
 def no_hit(result: dict[str, Any]) -> dict[str, str]:
     """Each pooled system whose B never got a token through the pool, with the likely reason."""
     out: dict[str, str] = {}
-    for system in serve_systems.SHARED_SYSTEMS:
+    for system in serve_systems.POOL_SHARING:
         rows = [r for r in result["results"] if r["system"] == system]
         if not rows or any(r["hit_pool_tokens"] > 0 for r in rows):
             continue
         stored = sum(r["a_keys"] or 0 for r in rows)
         out[system] = (
-            "A stored nothing in the pool (no key reached the master)"
+            "B's lookups found nothing A stored in the LMCache server"
+            if system == "lmcache"
+            else "A stored nothing in the pool (no key reached the master)"
             if stored == 0
             else f"A stored {stored} keys, and B's lookups found none of them: B keys the same prompts otherwise "
             "(its model name, layout or block-hash seed differs from A's)"

@@ -17,15 +17,16 @@ import threading
 from typing import Protocol, TypeVar
 
 from kvpool.index import PoolTracker
+from kvpool.remote_events import PutTracker
 from kvpool.scheduler import SchedulerCore
 from kvpool.worker import WorkerCore
 
 
 class WorkerEntry(Protocol):
-    """A worker connector: its core, and its embedded pool's tracker (None: a remote pool)."""
+    """A worker connector: its core, and its embedded pool's tracker (a shared pool's: of its puts, or None)."""
 
     core: WorkerCore
-    tracker: PoolTracker | None
+    tracker: PoolTracker | PutTracker | None
 
 
 class SchedulerEntry(Protocol):

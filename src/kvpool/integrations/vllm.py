@@ -89,7 +89,14 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.config, self.plan, self.engine_id, vllm_config)
             self._scheduler.describe_groups(kv_cache_config)
         else:
-            self._worker = WorkerSide(self.config, self.plan, self.engine_id, kv_cache_config)
+            events = getattr(vllm_config, "kv_events_config", None)
+            self._worker = WorkerSide(
+                self.config,
+                self.plan,
+                self.engine_id,
+                kv_cache_config,
+                report_puts=bool(events and events.enable_kv_cache_events),
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.chunk_origins import ChunkOrigins
 from kvpool.config import KVPoolConfig
-from kvpool.index import PoolEvent
+from kvpool.index import PoolEvent, PoolTracker
 from kvpool.integrations import registry
 from kvpool.integrations.vllm_metadata import KVPoolWorkerMetadata
 from kvpool.integrations.vllm_metrics import SchedulerStatsSampler
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 
 LOCAL = "LOCAL"  # vLLM's `locality`: the bytes are on this engine's host
+REMOTE = "REMOTE"
 
 
 class SchedulerSide:
@@ -49,15 +50,20 @@ class SchedulerSide:
             config,
             plan,
             track_events=bool(kv_events and kv_events.enable_kv_cache_events),
-            local_tracker=local.tracker if local is not None else None,
+            local_tracker=local.tracker if local is not None and isinstance(local.tracker, PoolTracker) else None,
         )
         self.core = self.role.core
         self.steps = SchedulerSteps(self.core)
         self.index = self.role.index
+        self.remote_events = self.role.events  # a shared pool's KV events: from what the workers put
         self._own_backend = self.role.backend
         self._block_sizes = [kind.block_size for kind in plan.coordinator.kinds]
         # each stored chunk's event carries its tokens and extra keys, recorded as steps complete it
-        self.origins = ChunkOrigins(plan.coordinator) if self.index is not None and self.index.track_events else None
+        publishing = self.remote_events is not None or (self.index is not None and self.index.track_events)
+        self.origins = ChunkOrigins(plan.coordinator) if publishing else None
+        # where the bytes are: the embedded pool in this engine's memory; a shared pool's storage, in this
+        # engine's own segment only when it gives the pool memory (a setting, never asked per chunk)
+        self._medium, self._locality = ("CPU", LOCAL) if config.backend == "memory" else ("STORAGE", _locality(config))
         self._group_kinds: list[tuple[str | None, int | None]] = [(None, None)] * len(self._block_sizes)
         self.metrics = SchedulerStatsSampler(self.core.stats)
         registry.register_scheduler(engine_id, self)
@@ -142,9 +148,12 @@ class SchedulerSide:
 
     def absorb(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
-        if self.index is not None and isinstance(meta, KVPoolWorkerMetadata):
+        if isinstance(meta, KVPoolWorkerMetadata):
             for report in meta.reports:
-                self.index.apply(report)
+                if self.index is not None:
+                    self.index.apply(report)
+                elif self.remote_events is not None:
+                    self.remote_events.apply(report)
         self.steps.absorb(
             output.invalid_block_ids or set(), output.failed_recving or set(), output.finished_recving or ()
         )
@@ -171,20 +180,25 @@ class SchedulerSide:
         ]
 
     def take_events(self) -> list[KVCacheEvent]:
+        if self.remote_events is not None:
+            return [self._event(event) for event in self.remote_events.take_events()]
         if self.index is None or not self.index.track_events:
             return []
         return [self._event(event) for event in self.index.take_events()]
 
     def _event(self, event: PoolEvent) -> KVCacheEvent:
-        """The embedded pool's chunk as vLLM's own event names a block: medium CPU, local to this engine,
-        its parent, tokens and extra keys (the tokens only while the record of the step that computed it
-        lasts: see `kvpool.chunk_origins`), its group's spec kind and window."""
-        from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+        """A pool's chunk as vLLM's own event names a block: where it is (the embedded pool: medium CPU,
+        local; a shared pool: STORAGE), its parent, tokens and extra keys (the tokens only while the
+        record of the step that computed it lasts: see `kvpool.chunk_origins`), its group's spec kind
+        and window."""
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash, to_event_extra_keys
 
         block_hash = maybe_convert_block_hash(BlockHash(event.chunk_hash))
         if not event.stored:
-            return BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=event.group, locality=LOCAL)
+            return BlockRemoved(
+                block_hashes=[block_hash], medium=self._medium, group_idx=event.group, locality=self._locality
+            )
         origin = self.origins.take(event.group, event.chunk_hash) if self.origins is not None else None
         kind, window = self._group_kinds[event.group]
         return BlockStored(
@@ -193,13 +207,13 @@ class SchedulerSide:
             token_ids=list(origin.token_ids) if origin is not None else [],
             block_size=self._block_sizes[event.group],
             lora_id=None,
-            medium=MEDIUM_CPU,
+            medium=self._medium,
             lora_name=_lora_name(origin.extra_keys) if origin is not None else None,
             extra_keys=to_event_extra_keys([origin.extra_keys]) if origin is not None and origin.extra_keys else None,
             group_idx=event.group,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=window,
-            locality=LOCAL,
+            locality=self._locality,
         )
 
     def close(self) -> None:
@@ -223,3 +237,12 @@ def _lora_name(extra_keys: tuple[object, ...] | None) -> str | None:
         if isinstance(key, tuple) and len(key) == 2 and key[0] == "lora" and isinstance(key[1], str):
             return key[1]
     return None
+
+
+def _locality(config: KVPoolConfig) -> str:
+    """A shared pool's chunks are local to this engine only if it gives the pool a segment of its own
+    memory: Mooncake places each object in some segment, so with one it may be here or not (a router's
+    hint either way); without one (the standalone segment holder), never."""
+    from kvpool.backends.mooncake.options import MooncakeOptions
+
+    return LOCAL if MooncakeOptions.parse(config.backend_options()).global_segment_size > 0 else REMOTE

@@ -52,11 +52,19 @@ def state_pages(name: str, tensor: torch.Tensor | list[torch.Tensor], num_blocks
 class WorkerSide:
     """The worker connector's calls, translated for its core (`WorkerCore`)."""
 
-    def __init__(self, config: KVPoolConfig, plan: ModelPlan, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self,
+        config: KVPoolConfig,
+        plan: ModelPlan,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        *,
+        report_puts: bool = False,
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.kv_cache_config = kv_cache_config
-        self.role = worker_role(config, plan)
+        self.role = worker_role(config, plan, report_puts=report_puts)
         self.core = self.role.core
         self.tracker = self.role.tracker
         self._invalid_blocks: set[int] = set()
