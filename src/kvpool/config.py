@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -12,6 +13,7 @@ from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S, DEFAULT_LOOKUP_WAIT_MS
 from kvpool.sizes import parse_size
 
 __all__ = ["ConfigError", "KVPoolConfig", "parse_size"]
+
 
 @dataclass
 class KVPoolConfig:
@@ -35,6 +37,9 @@ class KVPoolConfig:
     save_linger_ms: float = 20.0
     integrity: str = "off"  # "sampled" or "full": store a seal with each chunk and check it on load (integrity.py)
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
+    disk_path: str | None = None  # the embedded pool's disk tier: one directory per rank under it (backends/disk.py)
+    disk_capacity_bytes: int | str | None = None  # required with disk_path: bytes of files per rank
+    disk_read_timeout_ms: float = 2000.0  # a disk read not done by then is a failed load (recomputed)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KVPoolConfig:
@@ -115,6 +120,28 @@ class KVPoolConfig:
             raise ConfigError("integrity", self.integrity, " or ".join(modes))
         if self.load_failure_policy not in ("recompute", "engine"):
             raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
+        self._validate_disk()
+
+    def _validate_disk(self) -> None:
+        if self.disk_path is None:
+            if self.disk_capacity_bytes is not None:
+                raise ConfigError("disk_capacity_bytes", self.disk_capacity_bytes, "unset unless disk_path is set")
+            return
+        if self.backend != "memory":
+            raise ConfigError(
+                "disk_path", self.disk_path, "unset with the mooncake backend (a tier of the embedded pool)"
+            )
+        if not isinstance(self.disk_path, str) or not self.disk_path:
+            raise ConfigError("disk_path", self.disk_path, "a directory path")
+        if self.disk_capacity_bytes is None:
+            raise ConfigError("disk_capacity_bytes", None, "a size (e.g. 64GiB) when disk_path is set")
+        self.disk_capacity_bytes = parse_size("disk_capacity_bytes", self.disk_capacity_bytes)
+        if (
+            isinstance(self.disk_read_timeout_ms, bool)
+            or not isinstance(self.disk_read_timeout_ms, (int, float))
+            or not 0 < self.disk_read_timeout_ms <= 60_000
+        ):
+            raise ConfigError("disk_read_timeout_ms", self.disk_read_timeout_ms, "milliseconds above 0, at most 60000")
 
     def exists_before_put(self) -> bool:
         """Whether saves ask the pool which chunks it holds before putting them. Automatic: yes for the
@@ -125,7 +152,19 @@ class KVPoolConfig:
             return self.backend == "memory"
         return self.check_exists_before_put
 
-    def backend_options(self) -> dict[str, Any]:
+    def backend_options(self, rank: int = 0) -> dict[str, Any]:
+        """The backend's own settings; `rank`: whose directory of the disk tier (each rank has its own)."""
         if self.backend == "memory":
-            return {"name": self.pool_name, "capacity_bytes": self.capacity_bytes}
+            options: dict[str, Any] = {"name": self.pool_name, "capacity_bytes": self.capacity_bytes}
+            if self.disk_path is not None:
+                options.update(
+                    disk_dir=self.disk_dir(rank),
+                    disk_capacity_bytes=self.disk_capacity_bytes,
+                    read_timeout_s=self.disk_read_timeout_ms / 1000,
+                )
+            return options
         return dict(self.mooncake)
+
+    def disk_dir(self, rank: int) -> str:
+        assert self.disk_path is not None
+        return os.path.join(self.disk_path, f"rank{rank}")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from kvpool.keys import KeySpace
@@ -43,6 +43,7 @@ class PoolReport:
     stored: dict[str, list[bytes]] = field(default_factory=dict)  # namespace prefix -> chunk hashes now held
     dropped: dict[str, list[bytes]] = field(default_factory=dict)  # namespace prefix -> chunk hashes gone
     parents: dict[str, dict[bytes, bytes]] = field(default_factory=dict)  # prefix -> chunk -> its parent
+    full: bool = False  # the rank's first report: `stored` is everything it holds
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class PoolTracker:
         self._changed: dict[str, bool] = {}  # key -> whether it was held at the previous report
         self._links: dict[str, bytes] = {}  # key -> its chunk's parent hash, learned since that report
         self.epoch = 0
-        self.stored(pool_keys)  # what the pool already holds (a pool outliving an earlier engine)
+        self._first = True
+        self.stored(pool_keys)  # what the pool already holds (a pool outliving an earlier engine, its disk tier)
 
     def _split(self, key: str) -> tuple[str, bytes] | None:
         for prefix in self.prefixes:
@@ -112,10 +114,13 @@ class PoolTracker:
             self._links.clear()
 
     def take_report(self) -> PoolReport | None:
+        """The changes since the previous report; the first one is always made (`full`: it lists all the
+        rank holds, which replaces what the scheduler assumed from the rank's disk files)."""
         with self._lock:
-            if not (self._changed or self._links):
+            first, self._first = self._first, False
+            if not (self._changed or self._links or first):
                 return None
-            report = PoolReport(self.rank, self.epoch)
+            report = PoolReport(self.rank, self.epoch, full=first)
             for key, was_held in self._changed.items():
                 if (key in self._held) != was_held:
                     prefix, chunk_hash = self._split(key)  # type: ignore[misc]
@@ -125,7 +130,7 @@ class PoolTracker:
                     prefix, chunk_hash = self._split(key)  # type: ignore[misc]
                     report.parents.setdefault(prefix, {})[chunk_hash] = parent
             self._changed, self._links = {}, {}
-        if not (report.stored or report.dropped or report.parents):
+        if not (report.stored or report.dropped or report.parents or report.full):
             return None
         return report
 
@@ -203,6 +208,7 @@ class PoolIndex:
         self.epoch = 0
         self.track_events = False
         self._events: list[PoolEvent] = []
+        self._assumed: dict[int, dict[str, set[bytes]]] = {}  # rank -> what `assume` counted for it
 
     def present(self, group: int, chunk_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each chunk of the group is held by every rank that loads it, in every namespace."""
@@ -233,9 +239,19 @@ class PoolIndex:
                 run = next(i for i, h in enumerate(islice(chunk_hashes, lo, run), lo) if not present(h))
         return run
 
+    def assume(self, report: PoolReport) -> None:
+        """Count what a rank holds as read from outside it (its disk tier's files, before it runs), until
+        the rank's own first report (`full`) replaces it: so the first lookups after a restart hit."""
+        self._assumed[report.rank] = {prefix: set(hashes) for prefix, hashes in report.stored.items()}
+        self.apply(replace(report, full=False))
+
     def apply(self, report: PoolReport) -> None:
         if report.epoch != self.epoch:
             return  # from before a reset (its chunks were dropped with the pool), or not yet
+        if report.full:
+            assumed = self._assumed.pop(report.rank, None)
+            if assumed is not None:
+                report = _reconciled(report, assumed)
         needed = self.needed
         for prefix, hashes in report.dropped.items():
             held = self._counts.get(prefix)
@@ -301,6 +317,7 @@ class PoolIndex:
             held.clear()
         for chains in self._chains.values():
             chains.clear()
+        self._assumed.clear()
         self.epoch = epoch
 
     def take_events(self) -> list[PoolEvent]:
@@ -309,6 +326,21 @@ class PoolIndex:
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._counts.values())
+
+
+def _reconciled(report: PoolReport, assumed: dict[str, set[bytes]]) -> PoolReport:
+    """A rank's first (full) report as changes to what was assumed for it."""
+    stored: dict[str, list[bytes]] = {}
+    dropped: dict[str, list[bytes]] = {}
+    for prefix in {*report.stored, *assumed}:
+        held = report.stored.get(prefix, [])
+        before = assumed.get(prefix, set())
+        now = set(held)
+        if new := [h for h in held if h not in before]:
+            stored[prefix] = new
+        if gone := [h for h in before if h not in now]:
+            dropped[prefix] = gone
+    return PoolReport(report.rank, report.epoch, stored, dropped, report.parents)
 
 
 def _holder(held: dict[bytes, int], needed: int) -> Callable[[bytes], bool]:

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.backends.base import Backend
+from kvpool.backends.disk import stored_keys
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.tiered import TieredPool
 from kvpool.config import KVPoolConfig
 from kvpool.index import PoolIndex, PoolTracker
 from kvpool.plan import ModelPlan
@@ -94,6 +96,8 @@ def scheduler_role(
         index = PoolIndex(plan.lookup_namespaces(), ranks_per_namespace=plan.replicas)
         index.track_events = track_events
         exists, healthy = _no_exists, None
+        if config.disk_path is not None:
+            _assume_disk_contents(index, config, plan)
         report = local_tracker.take_report() if local_tracker is not None else None
         if report is not None:
             index.apply(report)
@@ -115,8 +119,20 @@ def scheduler_role(
     return SchedulerRole(core, index, backend, events)
 
 
+def _assume_disk_contents(index: PoolIndex, config: KVPoolConfig, plan: ModelPlan) -> None:
+    """Count what every rank's disk tier holds before any rank reports (an engine restarted onto its
+    directory hits from its first request); each rank's first report then replaces this."""
+    spaces = [space for spaces in plan.lookup_namespaces() for space in spaces]
+    for rank in range(plan.tp_size * plan.pp_size):
+        report = PoolTracker(rank, spaces, stored_keys(config.disk_dir(rank))).take_report()
+        if report is not None:
+            index.assume(report)
+
+
 def worker_config(config: KVPoolConfig) -> WorkerConfig:
     in_process_pool = config.backend == "memory"
+    # a disk tier's reads block: loads run on the loader's threads (a step's delay on every hit)
+    sync_loads = in_process_pool and config.disk_path is None
     return WorkerConfig(
         put_batch_chunks=config.put_batch_chunks,
         check_exists_before_put=config.exists_before_put(),
@@ -124,7 +140,7 @@ def worker_config(config: KVPoolConfig) -> WorkerConfig:
         save_buffer_bytes=config.save_buffer_bytes,
         save_linger_steps=config.save_linger_steps,
         save_linger_s=config.save_linger_ms / 1000,
-        sync_loads=in_process_pool,
+        sync_loads=sync_loads,
     )
 
 
@@ -135,7 +151,7 @@ class WorkerRole:
     tracker: PoolTracker | PutTracker | None  # an embedded pool's contents, or a shared pool's puts
 
     def close(self) -> None:
-        if self.tracker is not None and isinstance(self.backend, MemoryBackend):
+        if self.tracker is not None and isinstance(self.backend, (MemoryBackend, TieredPool)):
             self.backend.remove_listener(self.tracker.dropped)  # the named pool outlives this worker
         self.core.drain(timeout_s=WORKER_DRAIN_S)
         self.core.close()
@@ -147,10 +163,10 @@ def worker_role(
 ) -> WorkerRole:
     """`report_puts`: a shared pool's worker reports what its puts stored, for the scheduler's KV events
     (an embedded pool's worker always reports what its pool holds: the scheduler's index is made of it)."""
-    backend = make_backend(config.backend, config.backend_options())
+    backend = make_backend(config.backend, config.backend_options(plan.rank))
     placements = plan.placements()
     tracker: PoolTracker | PutTracker | None = None
-    if isinstance(backend, MemoryBackend):
+    if isinstance(backend, (MemoryBackend, TieredPool)):
         tracker = PoolTracker(plan.rank, [p.keys for p in placements], backend.keys())
         backend.add_listener(tracker.dropped)
     elif report_puts:

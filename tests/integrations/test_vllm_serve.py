@@ -81,6 +81,9 @@ class EventSubscriber:
         }
 
 
+_BASELINES: dict[int, list[list[int]]] = {}  # tp -> outputs of a server without kvpool for the first prompts
+
+
 def per_block(event: dict[str, Any]) -> list[tuple[int, int | None, list[int]]]:
     """A BlockStored event as (hash, parent, tokens) per block (vLLM announces several blocks in one)."""
     hashes, size = event["block_hashes"], event["block_size"]
@@ -112,6 +115,7 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
     others = random_prompts(4, PROMPT_TOKENS, seed=71)
     workload = first + others + first
     baseline = serve(model, tp, workload)
+    _BASELINES[tp] = [r["token_ids"] for r in baseline[: len(first)]]
     endpoint = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-events-{uuid.uuid4().hex[:8]}'}"
     subscriber = EventSubscriber(endpoint, "kv")
     try:
@@ -166,3 +170,43 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
         assert len(tokens) == BLOCK, event
         assert event["locality"] == "LOCAL" and event["kv_cache_spec_kind"] == "full_attention", event
     assert sum(event["parent_block_hash"] is None for event in pool_events) == len(first) + len(others)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_server_restarted_onto_its_disk_tier_serves_hits_from_its_first_request(tp, model_dir, tmp_path):
+    """Each rank writes its pool behind to its own directory; a new server on the same directory (a
+    rolling restart) knows what every rank's files hold before its first request, and serves it."""
+    model = model_dir("llama")
+    prompts = random_prompts(6, PROMPT_TOKENS, seed=70)  # the first prompts of the test above
+    baseline = _BASELINES.get(tp) or [r["token_ids"] for r in serve(model, tp, prompts)[:-1]]
+    disk = tmp_path / "kv"
+    connector = {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"capacity_bytes": "64MiB", "disk_path": str(disk), "disk_capacity_bytes": "1GiB"},
+    }
+
+    def chunk_files() -> list[int]:
+        return [len(list((disk / f"rank{rank}").rglob("*.kvc"))) for rank in range(tp)]
+
+    settings = {
+        "tensor_parallel_size": tp,
+        "block_size": BLOCK,
+        "max_model_len": PROMPT_TOKENS + 2 * BLOCK,
+        "kv_cache_memory_bytes": CACHE_TOKENS * TOKEN_BYTES // tp,
+        "kv_transfer_config": connector,
+    }
+    with openai_server(model, **settings) as server:
+        first = [server.complete(prompt, MAX_TOKENS) for prompt in prompts]
+        deadline = time.monotonic() + 60
+        while chunk_files() != [6 * 6] * tp and time.monotonic() < deadline:
+            time.sleep(0.1)  # written behind, off the engine's thread
+    assert [r["token_ids"] for r in first] == baseline
+    assert chunk_files() == [6 * 6] * tp  # every rank keeps its shard of every full block
+    with openai_server(model, **settings) as server:
+        restarted = [server.complete(prompt, MAX_TOKENS) for prompt in prompts]
+        metrics = server.metrics()
+    assert [r["token_ids"] for r in restarted] == baseline
+    assert [r["cached_tokens"] for r in restarted] == [384] * 6, "the restarted server missed its first requests"
+    assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6

@@ -18,6 +18,10 @@ BACKEND_NAMES = ("memory", "mooncake")
 def create_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
     """Build a backend by name; options are the backend's own settings (already validated)."""
     options = dict(options or {})
+    if name == "memory" and "disk_dir" in options:
+        from kvpool.backends.tiered import shared_tiered_pool
+
+        return shared_tiered_pool(**options)
     if name == "memory":
         from kvpool.backends.memory import shared_memory_pool
 

@@ -38,6 +38,10 @@ class MemoryBackend:
         self._stats = BackendStats(name=self.name, capacity_bytes=capacity_bytes)
         self._listeners: list[Callable[[list[str]], None]] = []
         self._gone: list[str] = []  # keys evicted under the lock, announced to the listeners after it
+        # called under the lock with each put's newly stored (key, array), tail first: a tier below may
+        # pin arrays there (read them later, outside the lock) before any eviction could reuse them
+        self.on_stored: Callable[[list[tuple[str, np.ndarray]]], None] | None = None
+        self._pinned: set[int] = set()  # ids of stored arrays a reader outside the lock still holds
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -209,6 +213,15 @@ class MemoryBackend:
             self._free_bytes = 0
         return None
 
+    def pin(self, array: np.ndarray) -> None:
+        """Under the lock (from `on_stored`): `array` is read outside the lock until `unpin`; evicted
+        meanwhile, it is dropped rather than reused for another value."""
+        self._pinned.add(id(array))
+
+    def unpin(self, array: np.ndarray) -> None:
+        with self._lock:
+            self._pinned.discard(id(array))
+
     def _publish(self, published: list[tuple[str, np.ndarray]], reserved: list[str]) -> None:
         """Make the copied values visible; drop the reservations of those never copied (a copy raised)."""
         with self._lock:
@@ -221,9 +234,13 @@ class MemoryBackend:
                 size = self._pending.pop(key, None)
                 if size is not None:
                     self._used -= size
+            if published and self.on_stored is not None:
+                self.on_stored(published[::-1])
 
     def _release(self, array: np.ndarray) -> None:
         self._used -= array.size
+        if self._pinned and id(array) in self._pinned:
+            return  # its reader drops it
         if self._used + self._free_bytes + array.size <= self.capacity_bytes:
             self._free.setdefault(array.size, []).append(array)
             self._free_bytes += array.size

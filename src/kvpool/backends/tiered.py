@@ -1,0 +1,378 @@
+"""The embedded pool with a disk tier below it: DRAM for speed, local files for capacity and restarts.
+
+Invariants:
+- The engine's thread never touches the disk. A put stores into DRAM (the copy, as without a tier)
+  and hands the stored array to a writer thread of its own: the array is pinned, so an eviction
+  meanwhile drops it instead of reusing it for another value, and the file always holds the bytes
+  the key was put with. The queue is bounded in bytes (`write_queue_bytes`); a put finding it full is
+  not written (counted: `writes_skipped`), never waited for.
+- The disk tier holds a superset of what the writer got through (write-behind of every put, not only
+  of evictions): a DRAM eviction costs nothing, and an engine that stops (or is killed) leaves its
+  pool on disk up to the writes still queued.
+- A lookup sees both tiers. A read takes DRAM first; what DRAM lacks is read from disk on the tier's
+  read threads into buffers they own, checked, then copied into the destination: a read that has not
+  returned by `read_timeout_s` answers UNAVAILABLE (a failed load, recomputed) and can never write
+  into the destination later. A disk hit is promoted into DRAM.
+- Keys leave the pool (the listeners hear of them) only when neither tier holds them, nor is a write
+  of them pending.
+- Both tiers age a chain tail first (DRAM's order of a put is kept by the writer; reads touch the
+  disk tail first), so neither drops a prefix's head before its tail.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.backends.base import BackendStats, Rows, Status, Values
+from kvpool.backends.disk import DiskStats, DiskTier
+from kvpool.backends.memory import MemoryBackend, _pieces, _writer
+from kvpool.errors import ConfigError
+
+log = logging.getLogger("kvpool.tiered")
+
+READ_THREADS = 4
+WRITE_QUEUE_BYTES = 256 << 20  # arrays DRAM evicted before their write still hold memory: at most this
+DEFAULT_READ_TIMEOUT_S = 2.0
+
+
+@dataclass
+class TierStats:
+    """What the tiering itself did, beside each tier's own counts."""
+
+    writes_queued: int = 0
+    writes_skipped: int = 0  # the queue was full: the chunk stays in DRAM only
+    write_queue_bytes: int = 0
+    disk_hits: int = 0
+    disk_late: int = 0  # reads that missed their deadline
+    promoted: int = 0
+
+
+class TieredPool:
+    """An embedded `MemoryBackend` over a `DiskTier`; the backend protocol of both at once."""
+
+    name = "memory+disk"
+
+    def __init__(
+        self,
+        memory: MemoryBackend,
+        disk: DiskTier,
+        *,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        write_queue_bytes: int | None = None,
+    ) -> None:
+        self.memory = memory
+        self.disk = disk
+        self.read_timeout_s = read_timeout_s
+        self.write_queue_limit = WRITE_QUEUE_BYTES if write_queue_bytes is None else write_queue_bytes
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[tuple[str, np.ndarray]] = deque()
+        self._pending: set[str] = set()  # queued or being written
+        self._cancelled: set[str] = set()  # removed while pending: not written, or removed once written
+        self._queued_bytes = 0
+        self._writing = 0
+        self._closed = False
+        self._stats = TierStats()
+        self._listeners: list[Callable[[list[str]], None]] = []
+        self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-disk-read")
+        self._read_blocked_until = 0.0
+        disk.on_evicted = self._disk_dropped
+        memory.on_stored = self._offer
+        memory.add_listener(self._memory_dropped)
+        self._writer = threading.Thread(target=self._write_behind, name="kvpool-disk-write", daemon=True)
+        self._writer.start()
+
+    # --- the backend protocol ------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        contains = self.disk.contains
+        return [held or contains(key) for key, held in zip(keys, self.memory.exists(keys))]
+
+    def put(self, keys: Sequence[str], values: Values) -> list[Status]:
+        """Into DRAM, whence the writer takes it to disk. A batch larger than half of DRAM goes in
+        slices, tail first, each queued for the disk before the next evicts it: DRAM alone would
+        refuse what does not fit, and the head of the batch ends in DRAM."""
+        sizes, _ = _writer(values)
+        limit = max(1, self.memory.capacity_bytes // 2)
+        if sum(sizes) <= limit:
+            return self.memory.put(keys, values)
+        results: list[Status] = [Status.OK] * len(keys)
+        end = len(keys)
+        while end > 0:
+            start, total = end - 1, sizes[end - 1]
+            while start > 0 and total + sizes[start - 1] <= limit:
+                start -= 1
+                total += sizes[start]
+            part = (
+                Rows.checked(values.arrays, values.ids[start:end]) if isinstance(values, Rows) else values[start:end]
+            )
+            results[start:end] = self.memory.put(keys[start:end], part)
+            end = start
+        return results
+
+    def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
+        results = self.memory.get_into(keys, dests)
+        contains = self.disk.contains
+        wanted = [i for i, status in enumerate(results) if status is Status.MISSING and contains(keys[i])]
+        if wanted:
+            self._read_disk(keys, dests, wanted, results)
+        self.disk.touch([keys[i] for i in reversed(range(len(keys))) if results[i] is Status.OK])
+        return results
+
+    def remove(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            self._cancelled.update(key for key in keys if key in self._pending)
+        on_disk = self.disk.remove(keys)
+        in_memory = self.memory.remove(keys)
+        return max(on_disk, in_memory)
+
+    def clear(self) -> int:
+        with self._lock:
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cancelled.update(self._pending)
+            self._queued_bytes = 0
+        for _, array in dropped:
+            self.memory.unpin(array)
+        keys = set(self.disk.keys()) | set(self.memory.keys())
+        self.disk.clear()
+        self.memory.clear()
+        return len(keys)
+
+    def keys(self) -> list[str]:
+        """Every key either tier holds, least recently used first (disk-only keys before DRAM's)."""
+        in_memory = self.memory.keys()
+        held = set(in_memory)
+        on_disk = self.disk.keys()
+        return [key for key in on_disk if key not in held] + in_memory
+
+    def nbytes_of(self, key: str) -> int | None:
+        return self.memory.nbytes_of(key)
+
+    def add_listener(self, listener: Callable[[list[str]], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[list[str]], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def stats(self) -> BackendStats:
+        stats = self.memory.stats()
+        stats.name = self.name
+        stats.keys = len(self.keys())
+        return stats
+
+    def disk_stats(self) -> DiskStats:
+        return self.disk.stats()
+
+    def tier_stats(self) -> TierStats:
+        with self._lock:
+            self._stats.write_queue_bytes = self._queued_bytes
+            return TierStats(**vars(self._stats))
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """The embedded pool lives as long as the process; close keeps its contents (see `shutdown`)."""
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write is on disk; False if that took longer than `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self._queue or self._writing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._wake.wait(min(remaining, 0.05))
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued (bounded), then stop the writer and the readers."""
+        self.flush(timeout_s)
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self._writer.join(timeout_s)
+        self._reads.shutdown(wait=False)
+        self.memory.on_stored = None
+        self.memory.remove_listener(self._memory_dropped)
+
+    # --- write-behind --------------------------------------------------------------------------
+
+    def _offer(self, stored: list[tuple[str, np.ndarray]]) -> None:
+        """Under the DRAM pool's lock, on the putting thread: queue the new arrays for the disk."""
+        contains = self.disk.contains
+        with self._wake:
+            if self._closed:
+                return
+            queued = False
+            for key, array in stored:
+                if key in self._pending or contains(key):
+                    continue
+                if self._queued_bytes + array.size > self.write_queue_limit:
+                    self._stats.writes_skipped += 1
+                    continue
+                self.memory.pin(array)
+                self._queue.append((key, array))
+                self._pending.add(key)
+                self._queued_bytes += array.size
+                self._stats.writes_queued += 1
+                queued = True
+            if queued:
+                self._wake.notify_all()
+
+    def _write_behind(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._queue:
+                    return
+                key, array = self._queue.popleft()
+                self._queued_bytes -= array.size
+                skip = key in self._cancelled
+                self._writing += 1
+            status = Status.ERROR
+            try:
+                if not skip:
+                    status = self.disk.write(key, [array])
+            except Exception:
+                log.exception("disk tier: writing a chunk failed")
+            finally:
+                self.memory.unpin(array)
+                with self._wake:
+                    self._pending.discard(key)
+                    cancelled = key in self._cancelled
+                    self._cancelled.discard(key)
+                    self._writing -= 1
+                    self._wake.notify_all()
+            if cancelled and status is Status.OK:
+                self.disk.remove([key])
+            elif status is not Status.OK and not self.memory.exists([key])[0]:
+                self._announce([key])  # evicted from DRAM while its write was pending, and never landed
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def _read_disk(self, keys: Sequence[str], dests: Values, wanted: list[int], results: list[Status]) -> None:
+        """Read `keys[i]` for each i in `wanted` from disk into `dests[i]`, within the read deadline."""
+        if time.monotonic() < self._read_blocked_until:
+            for i in wanted:
+                results[i] = Status.UNAVAILABLE
+            return
+        pieces_of, sizes_of = _pieces(dests, writable=True)
+        deadline = time.monotonic() + self.read_timeout_s
+        futures = [(i, self._reads.submit(self.disk.read, keys[i])) for i in wanted]
+        promote: list[tuple[str, np.ndarray]] = []
+        late = hits = 0
+        for i, future in futures:
+            try:
+                value = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                results[i] = Status.UNAVAILABLE
+                late += 1
+                continue
+            except Exception:
+                log.exception("disk tier: reading a chunk failed")
+                results[i] = Status.ERROR
+                continue
+            if isinstance(value, Status):
+                results[i] = value
+                continue
+            sizes = sizes_of(i)
+            if sum(sizes) != value.size:
+                results[i] = Status.SIZE_MISMATCH
+                continue
+            offset = 0
+            for piece, size in zip(pieces_of(i), sizes):
+                piece[:] = value[offset : offset + size]
+                offset += size
+            results[i] = Status.OK
+            hits += 1
+            promote.append((keys[i], value))
+        if late:
+            # a disk that stopped answering: give its reads up for a while rather than wait each time
+            self._read_blocked_until = time.monotonic() + self.read_timeout_s
+            log.warning("disk tier: %d reads missed their %.1f s deadline (recomputed)", late, self.read_timeout_s)
+        with self._lock:
+            self._stats.disk_hits += hits
+            self._stats.disk_late += late
+            self._stats.promoted += len(promote)
+        if promote:  # head to tail, as the caller asked: DRAM's put touches them tail first
+            self.memory.put([key for key, _ in promote], [[value] for _, value in promote])
+
+    # --- what leaves the pool ------------------------------------------------------------------
+
+    def _memory_dropped(self, keys: list[str]) -> None:
+        contains = self.disk.contains
+        with self._lock:
+            pending = self._pending
+            gone = [key for key in keys if key not in pending and not contains(key)]
+        self._announce(gone)
+
+    def _disk_dropped(self, keys: list[str]) -> None:
+        self._announce([key for key, held in zip(keys, self.memory.exists(keys)) if not held])
+
+    def _announce(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(keys)
+
+
+_shared: dict[str, TieredPool] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_tiered_pool(
+    name: str,
+    capacity_bytes: int,
+    disk_dir: str,
+    disk_capacity_bytes: int,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+) -> TieredPool:
+    """The process-wide tiered pool called `name` (see `shared_memory_pool`): built once, its disk
+    tier scanned then; later engines in the process share it."""
+    with _shared_lock:
+        pool = _shared.get(name)
+        if pool is None:
+            disk = DiskTier(disk_dir, disk_capacity_bytes)
+            pool = _shared[name] = TieredPool(MemoryBackend(capacity_bytes), disk, read_timeout_s=read_timeout_s)
+            return pool
+        for key, value, created in (
+            ("capacity_bytes", capacity_bytes, pool.memory.capacity_bytes),
+            ("disk_path", disk_dir, pool.disk.directory),
+            ("disk_capacity_bytes", disk_capacity_bytes, pool.disk.capacity_bytes),
+        ):
+            if key == "disk_path":
+                value = os.path.abspath(disk_dir)
+            if value != created:
+                raise ConfigError(key, value, f"{created!r} (what pool {name!r} was created with)")
+        return pool
+
+
+def drop_shared_tiered_pools(timeout_s: float = 5.0) -> None:
+    """Write what each pool has queued (bounded), stop it and forget it: the next engine scans anew."""
+    with _shared_lock:
+        pools = list(_shared.values())
+        _shared.clear()
+    for pool in pools:
+        pool.shutdown(timeout_s)
+
+
+atexit.register(drop_shared_tiered_pools)

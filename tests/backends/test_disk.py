@@ -1,0 +1,316 @@
+"""The embedded pool's disk tier: write-behind, reads from both tiers, restarts, and every file-system
+fault answered by a miss, never a wrong byte (real files; faults injected at the file-system calls,
+and on a real full or read-only mount where this machine lets a test mount one)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.backends.base import Status
+from kvpool.backends.disk import HEADER_BYTES, SUFFIX, DiskTier, stored_keys
+from kvpool.backends.factory import create_backend
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
+from kvpool.config import KVPoolConfig
+from kvpool.errors import ConfigError
+from kvpool.index import PoolIndex, PoolTracker
+from kvpool.keys import KeySpace, LayoutFingerprint
+
+CHUNK = 4096
+PREFIX = "kvp1/tiny/0123456789abcdef/s0/p0/g0/"
+
+
+def key(i: int) -> str:
+    return f"{PREFIX}{i:032x}"
+
+
+def value(i: int, size: int = CHUNK) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+def read(pool: TieredPool | DiskTier, i: int, size: int = CHUNK) -> tuple[Status, np.ndarray]:
+    if isinstance(pool, DiskTier):
+        got = pool.read(key(i))
+        return (got, np.empty(0, np.uint8)) if isinstance(got, Status) else (Status.OK, got)
+    dest = np.zeros(size, dtype=np.uint8)
+    return pool.get_into([key(i)], [[dest]])[0], dest
+
+
+def tiered(directory: Path, dram_chunks: int, disk_chunks: int = 64, **kwargs: float) -> TieredPool:
+    disk = DiskTier(str(directory), disk_chunks * (CHUNK + HEADER_BYTES + len(key(0))))
+    return TieredPool(MemoryBackend(dram_chunks * CHUNK), disk, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pools() -> Iterator[list[TieredPool]]:
+    made: list[TieredPool] = []
+    yield made
+    for pool in made:
+        pool.shutdown(5.0)
+
+
+def files(directory: Path, suffix: str = SUFFIX) -> list[Path]:
+    return [path for path in directory.rglob(f"*{suffix}")]
+
+
+def test_chunks_evicted_from_dram_are_read_back_from_disk_byte_for_byte(tmp_path, pools) -> None:
+    pool = tiered(tmp_path, dram_chunks=2)
+    pools.append(pool)
+    dropped: list[str] = []
+    pool.add_listener(dropped.extend)
+    for i in range(8):
+        assert pool.put([key(i)], [[value(i)]]) == [Status.OK]
+    assert pool.flush(10.0)
+    assert len(files(tmp_path)) == 8
+    assert pool.memory.exists([key(0)]) == [False], "DRAM holds 2 chunks"
+    assert pool.exists([key(i) for i in range(9)]) == [True] * 8 + [False]
+    for i in range(8):
+        status, got = read(pool, i)
+        assert status is Status.OK and np.array_equal(got, value(i))
+    assert pool.tier_stats().disk_hits >= 6
+    assert dropped == [], "nothing left both tiers"
+    assert read(pool, 99)[0] is Status.MISSING
+
+
+def test_a_put_never_waits_for_the_disk_and_a_full_queue_skips_the_write(tmp_path, pools, monkeypatch) -> None:
+    disk = DiskTier(str(tmp_path), 1 << 30)
+    gate = threading.Event()
+    real_write = disk.write
+    monkeypatch.setattr(disk, "write", lambda k, p: (gate.wait(10), real_write(k, p))[1])
+    pool = TieredPool(MemoryBackend(64 * CHUNK), disk, write_queue_bytes=3 * CHUNK)
+    pools.append(pool)
+    start = time.perf_counter()
+    for i in range(10):
+        pool.put([key(i)], [[value(i)]])
+    assert time.perf_counter() - start < 5.0
+    stats = pool.tier_stats()
+    assert stats.writes_skipped >= 6 and stats.writes_queued <= 4
+    gate.set()
+    assert pool.flush(10.0)
+    assert 1 <= len(files(tmp_path)) <= 4
+
+
+def test_an_array_evicted_while_its_write_is_pending_is_never_reused_for_another_value(tmp_path, pools) -> None:
+    disk = DiskTier(str(tmp_path), 1 << 30)
+    gate = threading.Event()
+    real_write = disk.write
+    disk.write = lambda k, p: (gate.wait(10), real_write(k, p))[1]  # type: ignore[method-assign]
+    pool = TieredPool(MemoryBackend(2 * CHUNK), disk, write_queue_bytes=64 * CHUNK)
+    pools.append(pool)
+    for i in range(12):  # each put evicts an older chunk whose write still waits
+        pool.put([key(i)], [[value(i)]])
+    gate.set()
+    assert pool.flush(10.0)
+    fresh = DiskTier(str(tmp_path), 1 << 30)
+    for i in range(12):
+        status, got = read(fresh, i)
+        assert status is Status.OK and np.array_equal(got, value(i)), f"chunk {i} holds another value's bytes"
+
+
+def test_a_restarted_pool_finds_what_the_previous_one_left_and_drops_interrupted_writes(tmp_path, pools) -> None:
+    pool = tiered(tmp_path, dram_chunks=64)
+    for i in range(6):
+        pool.put([key(i)], [[value(i)]])
+    pool.shutdown(10.0)
+    (tmp_path / "kvp1" / "left.123.456.tmp").write_bytes(b"half a chunk")
+    again = tiered(tmp_path, dram_chunks=64)
+    pools.append(again)
+    assert sorted(again.keys()) == [key(i) for i in range(6)]
+    assert files(tmp_path, ".tmp") == []
+    assert again.disk.stats().removed_at_scan == 1
+    for i in range(6):
+        status, got = read(again, i)
+        assert status is Status.OK and np.array_equal(got, value(i))
+    assert sorted(stored_keys(str(tmp_path))) == [key(i) for i in range(6)]
+
+
+def _file_of(directory: Path, i: int) -> Path:
+    return directory.joinpath(*key(i).split("/")).with_suffix(SUFFIX)
+
+
+@pytest.mark.parametrize(
+    "harm",
+    ["truncated", "one byte flipped", "header edited", "another chunk's file", "empty"],
+)
+def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path, harm) -> None:
+    disk = DiskTier(str(tmp_path), 1 << 20)
+    for i in range(2):
+        assert disk.write(key(i), [value(i)]) is Status.OK
+    path, data = _file_of(tmp_path, 0), bytearray(_file_of(tmp_path, 0).read_bytes())
+    if harm == "truncated":
+        data = data[: len(data) - 100]
+    elif harm == "one byte flipped":
+        data[HEADER_BYTES + len(key(0)) + 1000] ^= 0x01
+    elif harm == "header edited":
+        data[12] ^= 0xFF  # the value's length
+    elif harm == "another chunk's file":
+        data = bytearray(_file_of(tmp_path, 1).read_bytes())
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert disk.read(key(0)) is Status.CORRUPT
+    assert not path.exists() and not disk.contains(key(0))
+    assert disk.stats().corrupt == 1
+    assert read(disk, 1)[0] is Status.OK
+
+
+def test_a_process_killed_in_the_middle_of_writes_leaves_only_whole_chunks(tmp_path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, sys
+        from kvpool.backends.disk import DiskTier
+        disk = DiskTier({str(tmp_path)!r}, 1 << 32)
+        print("ready", flush=True)
+        i = 0
+        while True:
+            disk.write({PREFIX!r} + f"{{i:032x}}", [np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8)])
+            i += 1
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 30
+        while len(files(tmp_path)) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    disk = DiskTier(str(tmp_path), 1 << 32)
+    written = disk.keys()
+    assert len(written) >= 20
+    assert files(tmp_path, ".tmp") == []
+    for name in written:
+        i = int(name.rsplit("/", 1)[1], 16)
+        got = disk.read(name)
+        assert not isinstance(got, Status), f"chunk {i}: {got!r}"
+        assert np.array_equal(got, value(i, 1 << 20))
+
+
+def test_a_full_disk_leaves_the_pool_serving_from_dram(tmp_path, pools, monkeypatch) -> None:
+    pool = tiered(tmp_path, dram_chunks=2)
+    pools.append(pool)
+    dropped: list[str] = []
+    pool.add_listener(dropped.extend)
+
+    def no_space(fd: int, buffers: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", no_space)
+    for i in range(4):
+        assert pool.put([key(i)], [[value(i)]]) == [Status.OK]
+    assert pool.flush(10.0)
+    assert pool.disk.stats().write_errors >= 1 and files(tmp_path) == []
+    assert files(tmp_path, ".tmp") == [], "a failed write leaves nothing behind"
+    for i in (2, 3):
+        status, got = read(pool, i)
+        assert status is Status.OK and np.array_equal(got, value(i))
+    assert read(pool, 0)[0] is Status.MISSING
+    assert set(dropped) == {key(0), key(1)}, "what left DRAM unwritten left the pool"
+
+
+def _mounted(tmp_path: Path, options: str) -> Path | None:
+    target = tmp_path / f"mnt-{uuid.uuid4().hex[:6]}"
+    target.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True)
+    return target if done.returncode == 0 else None
+
+
+def test_a_real_full_file_system_and_a_read_only_one_only_cost_their_writes(tmp_path, pools) -> None:
+    small = _mounted(tmp_path, "size=64k")
+    if small is None:
+        pytest.skip("this machine does not let a test mount a file system (the injected faults above still run)")
+    try:
+        pool = TieredPool(MemoryBackend(64 * CHUNK), DiskTier(str(small), 1 << 30))
+        for i in range(40):
+            pool.put([key(i)], [[value(i)]])
+        assert pool.flush(10.0)
+        assert pool.disk.stats().write_errors >= 1
+        assert all(read(pool, i)[0] is Status.OK for i in range(40))
+        assert files(small, ".tmp") == []
+        pool.shutdown(5.0)
+        subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
+        again = TieredPool(MemoryBackend(64 * CHUNK), DiskTier(str(small), 1 << 30))
+        pools.append(again)
+        on_disk = again.keys()
+        assert on_disk, "the read-only tier still serves what it holds"
+        i = int(on_disk[0].rsplit("/", 1)[1], 16)
+        status, got = read(again, i)
+        assert status is Status.OK and np.array_equal(got, value(i))
+        assert again.put([key(100)], [[value(100)]]) == [Status.OK]
+        assert again.flush(10.0) and again.disk.stats().write_errors == 1
+    finally:
+        subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def test_a_read_past_its_deadline_is_a_miss_and_never_lands_later(tmp_path, pools) -> None:
+    pool = tiered(tmp_path, dram_chunks=1, read_timeout_s=0.2)
+    pools.append(pool)
+    for i in range(3):
+        pool.put([key(i)], [[value(i)]])
+    assert pool.flush(10.0)
+    release = threading.Event()
+    real_read = pool.disk.read
+    pool.disk.read = lambda k: (release.wait(10), real_read(k))[1]  # type: ignore[method-assign]
+    dest = np.zeros(CHUNK, dtype=np.uint8)
+    start = time.perf_counter()
+    assert pool.get_into([key(0)], [[dest]]) == [Status.UNAVAILABLE]
+    assert time.perf_counter() - start < 2.0
+    release.set()
+    time.sleep(0.3)
+    assert not dest.any(), "a late read wrote into the destination"
+    assert pool.tier_stats().disk_late == 1
+
+
+def test_the_disk_evicts_a_chain_tail_first(tmp_path, pools) -> None:
+    pool = tiered(tmp_path, dram_chunks=4, disk_chunks=4)
+    pools.append(pool)
+    chain = [key(i) for i in range(4)]
+    pool.put(chain, [[value(i)] for i in range(4)])  # one prompt's chunks, head to tail
+    assert pool.flush(10.0)
+    pool.put([key(10)], [[value(10)]])
+    assert pool.flush(10.0)
+    assert pool.exists(chain) == [True, True, True, False], "the tail went first"
+
+
+def test_the_scheduler_counts_each_ranks_disk_files_until_the_rank_reports(tmp_path) -> None:
+    space = KeySpace(LayoutFingerprint("m", "f16", 64, "cpu"))
+    hashes = [bytes([i]) * 8 for i in range(3)]
+    index = PoolIndex([[space]])
+    index.assume(PoolTracker(0, [space], [space.key(h) for h in hashes]).take_report())  # type: ignore[arg-type]
+    assert index.present(0, hashes) == [True, True, True]
+    worker = PoolTracker(0, [space], [space.key(h) for h in hashes[:2]])  # the rank's scan refused one
+    index.apply(worker.take_report())  # type: ignore[arg-type]
+    assert index.present(0, hashes) == [True, True, False]
+    worker.dropped([space.key(hashes[0])])
+    index.apply(worker.take_report())  # type: ignore[arg-type]
+    assert index.present(0, hashes) == [False, True, False], "counted once, not twice"
+
+
+def test_config_keys_of_the_disk_tier(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="disk_capacity_bytes"):
+        KVPoolConfig.from_dict({"disk_path": str(tmp_path)})
+    with pytest.raises(ConfigError, match="disk_path"):
+        KVPoolConfig.from_dict({"disk_path": str(tmp_path), "disk_capacity_bytes": "1GiB", "backend": "mooncake"})
+    with pytest.raises(ConfigError, match="disk_read_timeout_ms"):
+        KVPoolConfig.from_dict({"disk_path": str(tmp_path), "disk_capacity_bytes": "1GiB", "disk_read_timeout_ms": 0})
+    config = KVPoolConfig.from_dict({"disk_path": str(tmp_path), "disk_capacity_bytes": "1MiB", "pool_name": "disk-t"})
+    try:
+        pool = create_backend("memory", config.backend_options(rank=1))
+        assert isinstance(pool, TieredPool) and pool.disk.directory == str(tmp_path / "rank1")
+        assert pool.disk.capacity_bytes == 1 << 20
+    finally:
+        drop_shared_tiered_pools()
