@@ -149,15 +149,29 @@ def bench_connector_step(
 
 @bench_app.command("transfer")
 def bench_transfer(
-    backend: Annotated[str, typer.Option(help="memory or mooncake")] = "memory",
+    backend: Annotated[str, typer.Option(help="memory, mooncake or disk (the embedded pool's disk tier)")] = "memory",
     as_json: AsJson = False,
     no_fail: NoFail = False,
     pieces: Annotated[str, typer.Option(help="pieces per chunk (layers), comma separated")] = "4,1",
     keys: Annotated[int, typer.Option(help="chunks per batch", min=1)] = 32,
     reps: Annotated[int, typer.Option(help="timed rounds per cell (the median is reported)", min=1)] = 15,
+    directory: Annotated[
+        str | None, typer.Option("--dir", help="disk: where to write (default: the working directory's disk)")
+    ] = None,
 ) -> None:
-    """Save/load throughput per chunk size next to raw Mooncake and memcpy."""
+    """Save/load throughput per chunk size next to raw Mooncake and memcpy; the disk tier next to the
+    disk's own sequential bandwidth."""
     from kvpool.benchmarks import transfer
+
+    if backend == "disk":
+        from kvpool.benchmarks import disk_transfer
+
+        if reps < 2:
+            raise typer.BadParameter(f"--reps {reps}: the disk bench needs at least 2 rounds for an interval")
+        _emit(
+            disk_transfer.run(keys=keys, rounds=reps, directory=directory), as_json, disk_transfer.print_table, no_fail
+        )
+        return
 
     counts = _ints("--pieces", pieces)
     try:

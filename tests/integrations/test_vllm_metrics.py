@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.backends.memory import MemoryBackend
 from kvpool.integrations.vllm import KVPoolConnector, local_scheduler, local_worker
 from kvpool.integrations.vllm_metrics import (
+    ALL_GAUGES,
     COUNTERS,
-    POOL_GAUGES,
     SCHEDULER_COUNTERS,
     WORKER_COUNTERS,
     KVPoolPromMetrics,
@@ -189,7 +189,7 @@ def test_prom_metrics_record_counters_and_pool_gauges():
     registry = CollectorRegistry()
     prom = _prom(registry)
     names = {m.name for m in registry.collect()}
-    assert names == {f"vllm:kvpool_{s.key}" for s in COUNTERS + POOL_GAUGES}
+    assert names == {f"vllm:kvpool_{s.key}" for s in COUNTERS + ALL_GAUGES}
     prom.observe({}, 0)
     prom.observe(_stats({"chunks_saved": 3, "bytes_saved": 30, "unknown_key": 1}).to_dict(), 0)
     prom.observe(_stats({"chunks_saved": 2, "lookup_hit_tokens": 64}).to_dict(), 0)

@@ -146,6 +146,8 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
     metrics = tail["metrics"]
     assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= 6 * 384, metrics
     assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
+    assert metrics.get("vllm:kvpool_disk_hits_total", 0) >= 6 * 6 * tp, "DRAM started empty: every hit read the disk"
+    assert metrics.get("vllm:kvpool_pool_disk_keys", 0) == 6 * 6 * tp
     inspected = tail["inspect"]
     assert inspected.exit_code == 0, inspected.output
     engines = json.loads(inspected.output)
@@ -210,3 +212,5 @@ def test_a_server_restarted_onto_its_disk_tier_serves_hits_from_its_first_reques
     assert [r["token_ids"] for r in restarted] == baseline
     assert [r["cached_tokens"] for r in restarted] == [384] * 6, "the restarted server missed its first requests"
     assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
+    assert metrics.get("vllm:kvpool_disk_hits_total", 0) >= 6 * 6 * tp, "DRAM started empty: every hit read the disk"
+    assert metrics.get("vllm:kvpool_pool_disk_keys", 0) == 6 * 6 * tp

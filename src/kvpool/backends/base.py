@@ -122,6 +122,15 @@ class BackendStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    # the embedded pool's disk tier (tiered.py); 0 without one
+    disk_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_keys: int = 0
+    disk_hits: int = 0  # chunks read from disk because DRAM no longer held them
+    disk_write_errors: int = 0
+    disk_writes_skipped: int = 0  # the write-behind queue was full
+    disk_corrupt: int = 0  # files that failed their checks (removed)
+    disk_late_reads: int = 0
 
 
 @runtime_checkable

@@ -4,17 +4,18 @@ Layout: one file per chunk, `<directory>/<key>.kvc` (the key's `/` are directori
 chunks share a folder and a wipe of one model or layout is one `rm -r`). A file is a header, the key,
 then the value's bytes:
 
-    magic "KVPD" | version u16 | header bytes u16 | key bytes u32 | value bytes u64 | crc32(value) u32
-    | crc32(header before this field + key) u32 | key | value
+    magic "KVPD" | version u16 | header bytes u16 | key bytes u32 | value bytes u64 | xxh3_64(value) u64
+    | xxh3_64(header before this field + key) u64 | key | value
 
 Invariants:
 - Nothing wrong is ever served. A file is written under a temporary name and renamed into place once
   whole, so a process killed mid-write leaves only a `.tmp` file (removed at the next start); every
-  read checks the magic, the version, the key, the length and both checksums, and a file that fails
+  read checks the magic, the version, the key, the length and both digests (XXH3-64: ~40 GB/s a core
+  here, against ~3 GB/s for CRC32, so the check costs a few percent of a read), and a file that fails
   any of them is a miss and is removed. The seal is the tier's own, whatever the DRAM tier's
   `integrity` (the value may end with that seal too: the tier stores it as bytes). No fsync: a crash
   of the process keeps what the kernel holds; a crash of the machine may leave a renamed file with
-  bytes that never reached the disk, which its checksum refuses.
+  bytes that never reached the disk, which its digest refuses.
 - No file-system fault reaches the caller: a full disk, a read-only or vanished directory, an
   unreadable file answer a status (FULL, ERROR, MISSING, CORRUPT) and are counted; after a failed
   write the tier stops writing for `WRITE_BACKOFF_S` (a full disk is not retried per chunk).
@@ -39,24 +40,24 @@ import os
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kvpool.backends.base import Buffer, Status
 
 log = logging.getLogger("kvpool.disk")
 
 MAGIC = b"KVPD"
-VERSION = 1
+VERSION = 2
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
-_HEAD = struct.Struct("<4sHHIQI")  # magic, version, header bytes, key bytes, value bytes, crc32(value)
-_HEAD_CRC = struct.Struct("<I")
-HEADER_BYTES = _HEAD.size + _HEAD_CRC.size
+_HEAD = struct.Struct("<4sHHIQQ")  # magic, version, header bytes, key bytes, value bytes, xxh3_64(value)
+_HEAD_SEAL = struct.Struct("<Q")
+HEADER_BYTES = _HEAD.size + _HEAD_SEAL.size
 WRITE_BACKOFF_S = 5.0
 
 
@@ -138,10 +139,10 @@ class DiskTier:
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            crc = 0
+            digest = xxhash.xxh3_64()
             for piece in pieces:
-                crc = zlib.crc32(piece, crc)
-            header = _header(key, size, crc)
+                digest.update(piece)
+            header = _header(key, size, digest.intdigest())
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd, [header, *pieces])
@@ -298,10 +299,10 @@ def stored_keys(directory: str) -> list[str]:
     return keys
 
 
-def _header(key: str, size: int, crc: int) -> bytes:
+def _header(key: str, size: int, digest: int) -> bytes:
     encoded = key.encode()
-    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, len(encoded), size, crc)
-    return head + _HEAD_CRC.pack(zlib.crc32(encoded, zlib.crc32(head))) + encoded
+    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, len(encoded), size, digest)
+    return head + _HEAD_SEAL.pack(xxhash.xxh3_64_intdigest(head + encoded)) + encoded
 
 
 def _check(data: np.ndarray, key: str) -> np.ndarray | None:
@@ -309,17 +310,17 @@ def _check(data: np.ndarray, key: str) -> np.ndarray | None:
     if data.size < HEADER_BYTES:
         return None
     view = data.data
-    magic, version, header_bytes, key_bytes, size, crc = _HEAD.unpack_from(view, 0)
+    magic, version, header_bytes, key_bytes, size, digest = _HEAD.unpack_from(view, 0)
     if magic != MAGIC or version != VERSION or header_bytes != HEADER_BYTES:
         return None
     encoded = key.encode()
     if key_bytes != len(encoded) or data.size != HEADER_BYTES + key_bytes + size:
         return None
-    (head_crc,) = _HEAD_CRC.unpack_from(view, _HEAD.size)
+    (head_seal,) = _HEAD_SEAL.unpack_from(view, _HEAD.size)
     stored_key = view[HEADER_BYTES : HEADER_BYTES + key_bytes].tobytes()
-    if stored_key != encoded or head_crc != zlib.crc32(encoded, zlib.crc32(view[: _HEAD.size])):
+    if stored_key != encoded or head_seal != xxhash.xxh3_64_intdigest(view[: _HEAD.size].tobytes() + encoded):
         return None
-    if zlib.crc32(view[HEADER_BYTES + key_bytes :]) != crc:
+    if xxhash.xxh3_64_intdigest(view[HEADER_BYTES + key_bytes :]) != digest:
         return None
     return data[HEADER_BYTES + key_bytes :]
 
@@ -343,7 +344,7 @@ def _write_all(fd: int, pieces: list[Buffer]) -> None:
 
 
 def _read_all(fd: int, data: np.ndarray) -> int:
-    """Read the file into `data` from its start; the bytes read (fewer only at an early end of file)."""
+    """Fill `data` from the file's current offset; the bytes read (fewer only at the end of the file)."""
     view, got = data.data, 0
     while got < len(view):
         count = os.readv(fd, [view[got:]])

@@ -114,9 +114,7 @@ class TieredPool:
             while start > 0 and total + sizes[start - 1] <= limit:
                 start -= 1
                 total += sizes[start]
-            part = (
-                Rows.checked(values.arrays, values.ids[start:end]) if isinstance(values, Rows) else values[start:end]
-            )
+            part = Rows.checked(values.arrays, values.ids[start:end]) if isinstance(values, Rows) else values[start:end]
             results[start:end] = self.memory.put(keys[start:end], part)
             end = start
         return results
@@ -170,9 +168,22 @@ class TieredPool:
                 self._listeners.remove(listener)
 
     def stats(self) -> BackendStats:
+        """DRAM's counts (capacity, used bytes and evictions are DRAM's), `keys` of both tiers, and the disk's."""
         stats = self.memory.stats()
+        disk, tier = self.disk.stats(), self.tier_stats()
         stats.name = self.name
         stats.keys = len(self.keys())
+        stats.disk_capacity_bytes, stats.disk_used_bytes, stats.disk_keys = (
+            disk.capacity_bytes,
+            disk.used_bytes,
+            disk.files,
+        )
+        stats.disk_write_errors, stats.disk_corrupt = disk.write_errors, disk.corrupt
+        stats.disk_hits, stats.disk_writes_skipped, stats.disk_late_reads = (
+            tier.disk_hits,
+            tier.writes_skipped,
+            tier.disk_late,
+        )
         return stats
 
     def disk_stats(self) -> DiskStats:

@@ -48,8 +48,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 __all__ = [
+    "ALL_GAUGES",
     "BACKEND_COUNTERS",
     "COUNTERS",
+    "DISK_GAUGES",
     "POOL_GAUGES",
     "POOL_SAMPLE_INTERVAL_S",
     "SCHEDULER_COUNTERS",
@@ -95,6 +97,11 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
 )
 BACKEND_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("pool_evictions", "evictions", "Chunks the embedded pool evicted (least recently used)."),
+    MetricSpec("disk_hits", "disk_hits", "Chunks read from the embedded pool's disk tier (not in DRAM any more)."),
+    MetricSpec("disk_write_errors", "disk_write_errors", "Disk tier writes that failed (full disk, read-only, I/O)."),
+    MetricSpec("disk_writes_skipped", "disk_writes_skipped", "Chunks not written to disk: the write queue was full."),
+    MetricSpec("disk_corrupt", "disk_corrupt", "Disk tier files that failed their checks (removed, recomputed)."),
+    MetricSpec("disk_late_reads", "disk_late_reads", "Disk tier reads past disk_read_timeout_ms (recomputed)."),
 )
 SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("lookups", "lookups", "Pool lookups made for new or preempted requests."),
@@ -118,6 +125,12 @@ POOL_GAUGES: tuple[MetricSpec, ...] = (
     MetricSpec("pool_keys", "keys", "Chunks held by the embedded pool (summed over worker ranks)."),
     MetricSpec("pool_capacity_bytes", "capacity_bytes", "Capacity of the embedded pool (summed over worker ranks)."),
 )
+DISK_GAUGES: tuple[MetricSpec, ...] = (  # sent only by a pool with a disk tier
+    MetricSpec("pool_disk_used_bytes", "disk_used_bytes", "Bytes on the disk tier (summed over worker ranks)."),
+    MetricSpec("pool_disk_keys", "disk_keys", "Chunks on the embedded pool's disk tier (summed over ranks)."),
+    MetricSpec("pool_disk_capacity_bytes", "disk_capacity_bytes", "Capacity of the disk tier (summed over ranks)."),
+)
+ALL_GAUGES = POOL_GAUGES + DISK_GAUGES
 _COUNTER_ORDER = {spec.key: i for i, spec in enumerate(COUNTERS)}
 
 
@@ -179,8 +192,9 @@ class KVPoolStats(KVConnectorStats):
             reduced[key] = round(value, 3) if isinstance(value, float) else value
         pools = self.data[_POOLS]
         if pools:
-            for spec in POOL_GAUGES:
-                reduced[spec.key] = sum(values.get(spec.key, 0) for values in pools.values())
+            for spec in ALL_GAUGES:
+                if any(spec.key in values for values in pools.values()):
+                    reduced[spec.key] = sum(values.get(spec.key, 0) for values in pools.values())
         return reduced
 
 
@@ -230,7 +244,8 @@ class WorkerStatsSampler:
         self._stats = worker_stats
         self._worker = _Deltas(WORKER_COUNTERS)
         # only the embedded pool knows its size without I/O (Mooncake's lives on the master)
-        self._backend = backend if getattr(backend, "name", None) == "memory" else None
+        self._backend = backend if getattr(backend, "name", None) in ("memory", "memory+disk") else None
+        self._gauges = POOL_GAUGES + (DISK_GAUGES if getattr(backend, "name", None) == "memory+disk" else ())
         self._pool_deltas: _Deltas | None = None
         if self._backend is not None:
             # the embedded pool outlives engines: count only what happens from now on
@@ -252,7 +267,7 @@ class WorkerStatsSampler:
                 stats = backend.stats()
                 assert self._pool_deltas is not None
                 self._pool_deltas.take(stats, counters)
-                snapshot = {spec.key: getattr(stats, spec.source) for spec in POOL_GAUGES}
+                snapshot = {spec.key: getattr(stats, spec.source) for spec in self._gauges}
                 if snapshot != self._snapshot:
                     self._snapshot = snapshot
                     pools[self._rank] = snapshot
@@ -295,7 +310,7 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             )
             self._counters[spec.key] = self._per_engine(counter)
         self._gauges: dict[str, dict[int, Any]] = {}
-        for spec in POOL_GAUGES:
+        for spec in ALL_GAUGES:
             # vLLM types _gauge_cls as any of its metric classes, though it is always metric_types[Gauge]
             gauge = self._gauge_cls(  # type: ignore[call-arg]
                 name=prometheus_name(spec.key),
@@ -321,7 +336,7 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
         if pools:
             known = self._pools.setdefault(engine_idx, {})
             known.update(pools)
-            for spec in POOL_GAUGES:
+            for spec in ALL_GAUGES:
                 children = self._gauges[spec.key]
-                if engine_idx in children:
+                if engine_idx in children and any(spec.key in values for values in known.values()):
                     children[engine_idx].set(sum(values.get(spec.key, 0) for values in known.values()))

@@ -1,0 +1,189 @@
+"""The disk tier's throughput against the disk's own sequential bandwidth, in one run, one I/O mode.
+
+Per chunk size, each round times, in an order rotating from round to round, one batch of `keys`
+chunks moved five ways through the same directory:
+* `raw_write`: the batch's bytes written into one file, chunk after chunk (buffered, no fsync): the
+  disk's sequential write bandwidth in the mode the tier writes (the page cache);
+* `tier_write`: `DiskTier.write` of each chunk (a file each: header, XXH3-64 of the bytes, a temporary
+  name renamed into place);
+* `raw_read`: that one file read back sequentially, a chunk's bytes a read, each into a new buffer
+  (as the tier reads: a read owns its buffer);
+* `tier_read`: `DiskTier.read` of each chunk (magic, key, length and both checksums checked);
+* `tier_read_unchecked`: the same files read whole without the checks: what the seal check costs.
+Reads come from the page cache for both (it cannot be dropped on this machine): cached against cached.
+Files are removed between rounds, outside the timed calls.
+
+Targets: `tier_write` ÷ `raw_write` and `tier_read` ÷ `raw_read` >= 0.8, as ratios paired by round with
+a 95% interval (`stats.ratio`); a verdict fails only when the whole interval misses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.backends.disk import SUFFIX, DiskTier, _read_all
+from kvpool.benchmarks.stats import Verdict, ratio, rotation, spread, verdict
+
+CHUNK_SIZES = (256 << 10, 2 << 20, 4 << 20)
+KEYS = 32
+ROUNDS = 7
+TARGET = 0.8
+SYSTEMS = ("raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked")
+PAIRS = (("tier_write", "raw_write"), ("tier_read", "raw_read"), ("tier_read_unchecked", "raw_read"))
+TARGETED = {"tier_write", "tier_read"}
+
+
+def _key(size: int, i: int) -> str:
+    return f"kvp1/bench/0000000000000000/s0/p0/g0/{size:08x}{i:024x}"
+
+
+class _Cell:
+    """One chunk size's batch and the five timed moves of it."""
+
+    def __init__(self, directory: str, chunk_bytes: int, keys: int) -> None:
+        self.directory = directory
+        rng = np.random.default_rng(chunk_bytes)
+        self.values = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(keys)]
+        self.keys = [_key(chunk_bytes, i) for i in range(keys)]
+        self.raw_path = os.path.join(directory, "raw.bin")
+        self.chunk_bytes = chunk_bytes
+        self.tier = DiskTier(os.path.join(directory, "tier"), 1 << 40)
+
+    def prepare(self, system: str) -> None:
+        """Untimed: what the move needs on disk (the reads read what the writes left)."""
+        if system.startswith("tier_read") and not self.tier.contains(self.keys[0]):
+            for key, value in zip(self.keys, self.values):
+                self.tier.write(key, [value])
+        if system == "raw_read" and not os.path.exists(self.raw_path):
+            self.raw_write()
+        if system == "tier_write":
+            self.tier.clear()
+        if system == "raw_write" and os.path.exists(self.raw_path):
+            os.unlink(self.raw_path)
+
+    def raw_write(self) -> None:
+        fd = os.open(self.raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for value in self.values:
+                os.write(fd, value.data)
+        finally:
+            os.close(fd)
+
+    def tier_write(self) -> None:
+        for key, value in zip(self.keys, self.values):
+            self.tier.write(key, [value])
+
+    def raw_read(self) -> None:
+        fd = os.open(self.raw_path, os.O_RDONLY)
+        try:
+            for _ in self.keys:
+                _read_all(fd, np.empty(self.chunk_bytes, dtype=np.uint8))  # on from where the last read stopped
+        finally:
+            os.close(fd)
+
+    def tier_read(self) -> None:
+        for key in self.keys:
+            if isinstance(self.tier.read(key), int):
+                raise RuntimeError(f"disk tier read of {key} failed")
+
+    def tier_read_unchecked(self) -> None:
+        root = self.tier.directory
+        for key in self.keys:
+            path = os.path.join(root, *key.split("/")) + SUFFIX
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _read_all(fd, np.empty(os.fstat(fd).st_size, dtype=np.uint8))
+            finally:
+                os.close(fd)
+
+    def move(self, system: str) -> Callable[[], None]:
+        move: Callable[[], None] = getattr(self, system)
+        return move
+
+
+def run(
+    *,
+    chunk_sizes: Sequence[int] = CHUNK_SIZES,
+    keys: int = KEYS,
+    rounds: int = ROUNDS,
+    directory: str | None = None,
+) -> dict[str, Any]:
+    """Measure in `directory` (default: a temporary one beside the working directory, on its disk)."""
+    if keys < 1 or rounds < 2:
+        raise ValueError(f"keys {keys}, rounds {rounds}: keys must be >= 1 and rounds >= 2 (an interval)")
+    base = tempfile.mkdtemp(prefix="kvpool-disk-bench-", dir=directory or os.getcwd())
+    rows: list[dict[str, Any]] = []
+    try:
+        for chunk_bytes in chunk_sizes:
+            cell = _Cell(base, chunk_bytes, keys)
+            seconds: dict[str, list[float]] = {system: [] for system in SYSTEMS}
+            for system in SYSTEMS:  # one untimed warm-up round
+                cell.prepare(system)
+                cell.move(system)()
+            for index in range(rounds):
+                for system in rotation(SYSTEMS, index):
+                    cell.prepare(system)
+                    start = time.perf_counter()
+                    cell.move(system)()
+                    seconds[system].append(time.perf_counter() - start)
+            batch = chunk_bytes * keys
+            gbps = {system: [batch / s / 1e9 for s in values] for system, values in seconds.items()}
+            row: dict[str, Any] = {
+                "chunk_bytes": chunk_bytes,
+                "keys": keys,
+                "gbps": {system: spread(values).as_dict() for system, values in gbps.items()},
+                "ratios": {},
+            }
+            for system, base_system in PAIRS:
+                interval = ratio(gbps[system], gbps[base_system])
+                entry = {"of": base_system, **interval.as_dict()}
+                if system in TARGETED:
+                    entry["target"] = TARGET
+                    entry["verdict"] = verdict(interval, TARGET, at_most=False).value
+                row["ratios"][system] = entry
+            rows.append(row)
+            shutil.rmtree(base, ignore_errors=True)
+            os.makedirs(base, exist_ok=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    failed = any(entry.get("verdict") == Verdict.FAIL.value for row in rows for entry in row["ratios"].values())
+    return {
+        "bench": "transfer",
+        "backend": "disk",
+        "config": {"chunk_sizes": list(chunk_sizes), "keys": keys, "rounds": rounds, "io": "buffered (page cache)"},
+        "results": rows,
+        "pass": not failed,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="disk tier ÷ the disk's sequential bandwidth (buffered, same run)")
+    for column in ("chunk", "raw write GB/s", "tier write", "raw read GB/s", "tier read", "read unchecked"):
+        table.add_column(column, justify="right")
+    def cell(ratios: dict[str, Any], system: str) -> str:
+        entry = ratios[system]
+        mark = f" {entry['verdict']}" if "verdict" in entry else ""
+        return f"{entry['estimate']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}]{mark}"
+
+    for row in result["results"]:
+        gbps, ratios = row["gbps"], row["ratios"]
+
+        table.add_row(
+            f"{row['chunk_bytes'] >> 10} KiB",
+            f"{gbps['raw_write']['estimate']:.2f}",
+            cell(ratios, "tier_write"),
+            f"{gbps['raw_read']['estimate']:.2f}",
+            cell(ratios, "tier_read"),
+            cell(ratios, "tier_read_unchecked"),
+        )
+    Console().print(table)

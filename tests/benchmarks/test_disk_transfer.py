@@ -1,0 +1,29 @@
+"""`kvpool bench transfer --backend disk` at tiny sizes: every move runs, ratios pair by round, and the
+files it wrote are gone afterwards."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from kvpool.benchmarks import disk_transfer
+from kvpool.cli import app
+
+
+def test_the_disk_bench_times_every_move_and_states_each_target(tmp_path) -> None:
+    result = disk_transfer.run(chunk_sizes=(64 << 10,), keys=4, rounds=2, directory=str(tmp_path))
+    (row,) = result["results"]
+    assert set(row["gbps"]) == set(disk_transfer.SYSTEMS)
+    assert all(figure["estimate"] > 0 and figure["rounds"] == 2 for figure in row["gbps"].values())
+    assert {name: entry["of"] for name, entry in row["ratios"].items()} == dict(disk_transfer.PAIRS)
+    assert {name for name, entry in row["ratios"].items() if "verdict" in entry} == disk_transfer.TARGETED
+    assert list(tmp_path.iterdir()) == [], "the bench leaves no files behind"
+
+
+def test_the_command_line_runs_the_disk_bench(tmp_path) -> None:
+    args = ["bench", "transfer", "--backend", "disk", "--keys", "2", "--reps", "2", "--dir", str(tmp_path), "--json"]
+    done = CliRunner().invoke(app, [*args, "--no-fail"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output)["backend"] == "disk"
+    assert CliRunner().invoke(app, ["bench", "transfer", "--backend", "disk", "--reps", "1"]).exit_code == 2
