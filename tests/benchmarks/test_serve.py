@@ -27,7 +27,9 @@ def rows(result: dict[str, Any], system: str, dataset: str) -> list[dict[str, An
     return [r for r in result["results"] if (r["system"], r["dataset"]) == (system, dataset)]
 
 
-CONNECTORS = ("example", "vllm-mooncake", "vllm-mooncake-embedded", "lmcache", "kvpool", "kvpool-mooncake")
+CONNECTORS = (
+    "example", "vllm-mooncake", "vllm-mooncake-embedded", "lmcache", "kvpool", "kvpool-mooncake", "kvpool-disk",
+)  # fmt: skip
 
 
 def test_every_system_serves_every_request_of_every_run_of_every_round(result: dict[str, Any]) -> None:
@@ -100,7 +102,10 @@ def test_the_summary_judges_like_for_like_targets_on_paired_rounds(result: dict[
     summary = result["summary"]
     judged = [t for t in summary["targets"] if t["verdict"] is not None]
     pairs = {(t["system"], t["against"]) for t in judged}
-    assert {("kvpool-mooncake", "vllm-mooncake"), ("kvpool", "vllm-mooncake-embedded"), ("kvpool", "local")} <= pairs
+    assert {
+        ("kvpool-mooncake", "vllm-mooncake"), ("kvpool", "vllm-mooncake-embedded"), ("kvpool", "local"),
+        ("kvpool-disk", "kvpool"),
+    } <= pairs  # fmt: skip
     for target in judged:
         assert target["verdict"] in ("PASS", "FAIL", "INCONCLUSIVE")
         interval = target["ratio"]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvpool.benchmarks import trace_hits
-from kvpool.benchmarks.trace_hits import hits_kvpool, hits_lru, hits_min
+from kvpool.benchmarks.trace_hits import hits_kvpool, hits_lru, hits_min, hits_tiered
 
 
 def test_a_hit_is_the_leading_run_of_stored_blocks() -> None:
     chains = [[1, 2, 3], [1, 9, 3], [1, 2, 3, 4]]
-    for hits in (hits_kvpool, hits_lru, hits_min):
+    for hits in (hits_kvpool, hits_lru, hits_min, hits_tiered):
         # 1 (second request: block 3 is stored but follows a miss), then 1, 2, 3
         assert hits(chains, 100) == 1 + 3, hits.__name__
 
@@ -24,6 +24,12 @@ def test_the_embedded_pool_evicts_a_chain_tail_first_where_plain_lru_loses_its_h
     chains = [[1, 2, 3], [7], [1, 2, 3]]
     assert hits_kvpool(chains, 3) == 2  # the tail (3) went: 1 and 2 still hit
     assert hits_lru(chains, 3) == 0  # the head (1) went: nothing after it is reachable
+
+
+def test_a_disk_tier_below_dram_brings_back_what_dram_evicted() -> None:
+    chains = [[1, 2, 3], [7, 8, 9], [1, 2, 3]]
+    assert hits_kvpool(chains, 3) == 0  # DRAM holds one chain: the second pushed the first out
+    assert hits_tiered(chains, 3, disk_factor=2) == 3  # the disk still has it
 
 
 def test_belady_keeps_what_is_used_next() -> None:
@@ -47,13 +53,13 @@ def test_run_reports_every_policy_on_a_small_trace(tmp_path: Path) -> None:
     assert result["requests"] == 6 and result["distinct_blocks"] == 9
     assert result["unlimited"] == 9 / 18  # hits: none | 0 1 | 0 | 0 1 2 | none | 0 1 3
     full = result["rows"][-1]
-    assert full["kvpool"] == full["lru"] == full["min"] == result["unlimited"]
+    assert full["kvpool"] == full["lru"] == full["min"] == full["kvpool+disk"] == result["unlimited"]
     assert "kvpool hit rate" in trace_hits.to_markdown(result)
 
 
 @pytest.mark.skipif(not trace_hits.TRACE.is_file(), reason="the Mooncake trace is not beside the checkout")
 def test_the_real_trace_gives_the_hit_rates_its_readme_states() -> None:
-    result = trace_hits.run(capacities=[0.01])
+    result = trace_hits.run(capacities=[0.01], tiered=False)
     assert result["requests"] == 12_031 and result["distinct_blocks"] == 182_790
     assert result["unlimited"] == pytest.approx(0.366, abs=0.001)
     row = result["rows"][0]

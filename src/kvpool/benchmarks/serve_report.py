@@ -11,8 +11,12 @@ comes from the whole interval (PASS, FAIL or INCONCLUSIVE). Targets, for each kv
   <= 1.05 and output throughput >= 0.95 at every concurrency;
 * the reuse workload against `local`: TTFT mean < 1.0 (a pool that loses to the engine's own cache
   under pressure is not worth running).
-Every other system's ratios to `local` are references, without a verdict. A run with failed requests
-counts as missing: a comparison with no paired round has no verdict (INCONCLUSIVE).
+For `kvpool-disk` (`serve_systems.TIER_SYSTEMS`): against `kvpool` with the same DRAM, the reuse
+workload's TTFT mean < 1.0 (a tier that does not beat DRAM alone when the working set outgrows it is
+not worth running) and the 0%-reuse control's output throughput >= 0.97 (writing behind costs the
+engine next to nothing). Every other system's ratios to `local` are references, without a verdict.
+A run with failed requests counts as missing: a comparison with no paired round has no verdict
+(INCONCLUSIVE).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.benchmarks.report import figure, markdown_table
-from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE
+from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE, TIER_SYSTEMS
 from kvpool.benchmarks.stats import Interval, Verdict, ratio, spread, verdict
 
 FULL_HIT_VS_PEER_MAX = 0.9
 CONTROL_TTFT_VS_LOCAL_MAX = 1.05
 CONTROL_THROUGHPUT_VS_LOCAL_MIN = 0.95
+TIER_CONTROL_THROUGHPUT_MIN = 0.97
 METRICS = {  # row key -> (label, a lower figure is better)
     "ttft_mean_ms": ("TTFT mean", True),
     "ttft_p50_ms": ("TTFT p50", True),
@@ -97,8 +102,18 @@ def targets(result: dict[str, Any]) -> list[Target]:
                     ),
                     Target(system, "local", "a pool beats the engine's own cache", "reuse", c, "ttft_mean_ms", 1.0),
                 ]
+    for system in TIER_SYSTEMS:
+        if system in systems and "kvpool" in systems:
+            for c in concurrencies:
+                out += [
+                    Target(system, "kvpool", "the same DRAM, a disk tier below it", "reuse", c, "ttft_mean_ms", 1.0),
+                    Target(
+                        system, "kvpool", "writing behind costs the engine", "random", c, "output_tok_s",
+                        TIER_CONTROL_THROUGHPUT_MIN, False,
+                    ),
+                ]  # fmt: skip
     for system in result["systems"]:
-        if system not in KVPOOL_SYSTEMS and system != "local" and "local" in systems:
+        if system not in (*KVPOOL_SYSTEMS, *TIER_SYSTEMS) and system != "local" and "local" in systems:
             out += [Target(system, "local", "reference", "reuse", c, "ttft_mean_ms", None) for c in concurrencies]
     return out
 

@@ -17,6 +17,9 @@ holder, LMCache's server) running until the context exits. Every pool gets the s
 * `lmcache`: vLLM's `LMCacheMPConnector` to LMCache's multi-process server (`lmcache_peer`).
 * `kvpool`: kvpool, embedded pool (like for like with `vllm-mooncake-embedded`). `kvpool-mooncake`:
   kvpool on a real master and segment holder, laid out as for `vllm-mooncake`.
+* `kvpool-disk`: `kvpool` with the same DRAM and a disk tier (`TIER_DISK_FACTOR` times it, in a
+  temporary folder on the working directory's disk) below it: what the tier adds when the working set
+  outgrows DRAM (it does: every pool is a third of it). Not in `kvpool bench all` (`--long` has it).
 
 `SystemSetup.pids`: the system's own processes outside the server (master, segment holder, LMCache's
 server), whose CPU time is the system's too. `start_shared(name, capacity_bytes, servers)`: the same
@@ -42,7 +45,10 @@ from typing import Any
 
 SYSTEMS = (
     "none", "local", "example", "vllm-mooncake", "vllm-mooncake-embedded", "lmcache", "kvpool", "kvpool-mooncake",
+    "kvpool-disk",
 )  # fmt: skip
+TIER_SYSTEMS = ("kvpool-disk",)  # kvpool with a tier below its DRAM, measured against `kvpool`
+TIER_DISK_FACTOR = 4
 PEERS = ("vllm-mooncake", "vllm-mooncake-embedded", "lmcache")  # the connectors kvpool is measured against
 # kvpool system -> the peer in the same placement: (peer, what they share)
 LIKE_FOR_LIKE = {
@@ -89,6 +95,10 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
             )
     elif name == "kvpool":
         yield SystemSetup(_kvpool({"capacity_bytes": capacity_bytes}))
+    elif name == "kvpool-disk":
+        with tempfile.TemporaryDirectory(prefix="kvpool-bench-disk-", dir=os.getcwd()) as folder:
+            disk = {"disk_path": folder, "disk_capacity_bytes": TIER_DISK_FACTOR * capacity_bytes}
+            yield SystemSetup(_kvpool({"capacity_bytes": capacity_bytes, **disk}))
     elif name in SHARED_SYSTEMS:
         with start_shared(name, capacity_bytes, servers=1) as (setup,):
             yield setup

@@ -18,6 +18,9 @@ Policies, each at a capacity given as a share of the trace's distinct blocks:
 - `min`: Belady's MIN (evict the block whose next use is farthest away; a block never used again
   first; a block is not cached when it is itself the farthest): the offline reference, near the limit
   but not an optimum under the prefix rule.
+- `kvpool+disk`: the embedded pool at the same DRAM with its disk tier below (`TieredPool`, real
+  files in a temporary folder, `DISK_FACTOR` times DRAM's capacity), every write flushed before the
+  next request so that the figure does not depend on the writer's timing.
 - `unlimited`: no eviction: the trace's own reuse, the ceiling.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,10 +38,13 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Rows
+from kvpool.backends.disk import HEADER_BYTES, DiskTier
 from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.tiered import TieredPool
 
 TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "mooncake-traces" / "conversation_trace.jsonl"
-POLICIES = ("kvpool", "lru", "min")
+POLICIES = ("kvpool", "lru", "min", "kvpool+disk")
+DISK_FACTOR = 4
 BLOCK_BYTES = 8  # what the embedded pool stores per block here: only the count matters
 
 ALL_ARGS: dict[str, Any] = {"capacities": [0.01, 0.05, 0.10, 0.25]}
@@ -81,6 +88,30 @@ def hits_kvpool(chains: list[list[int]], capacity: int) -> int:
     return hits
 
 
+def hits_tiered(chains: list[list[int]], capacity: int, disk_factor: int = DISK_FACTOR) -> int:
+    """Blocks hit with the embedded pool holding `capacity` blocks in DRAM and `disk_factor` times as
+    many on its disk tier."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-trace-disk-") as folder:
+        file_bytes = HEADER_BYTES + len(str(max((max(c) for c in chains if c), default=0))) + BLOCK_BYTES
+        disk = DiskTier(folder, disk_factor * capacity * file_bytes)
+        pool = TieredPool(MemoryBackend(capacity * BLOCK_BYTES), disk, write_queue_bytes=1 << 30)
+        blocks = np.zeros((max(map(len, chains), default=0), BLOCK_BYTES), dtype=np.uint8)
+        hits = 0
+        try:
+            for chain in chains:
+                keys = [str(block) for block in chain]
+                hit = _leading(pool.exists(keys))
+                if hit:
+                    pool.get_into(keys[:hit], Rows((blocks,), np.arange(hit)))
+                if hit < len(keys):
+                    pool.put(keys[hit:], Rows((blocks,), np.arange(len(keys) - hit)))
+                pool.flush(60.0)
+                hits += hit
+        finally:
+            pool.shutdown(5.0)
+    return hits
+
+
 def hits_lru(chains: list[list[int]], capacity: int) -> int:
     """Blocks hit with plain LRU over `capacity` blocks, each request's blocks touched head to tail."""
     cache: OrderedDict[int, None] = OrderedDict()
@@ -120,8 +151,13 @@ def hits_min(chains: list[list[int]], capacity: int) -> int:
 
 
 def run(
-    *, capacities: Sequence[float] = (0.01, 0.05, 0.10, 0.25), limit: int | None = None, trace: Path = TRACE
+    *,
+    capacities: Sequence[float] = (0.01, 0.05, 0.10, 0.25),
+    limit: int | None = None,
+    trace: Path = TRACE,
+    tiered: bool = True,
 ) -> dict[str, Any]:
+    """`tiered`: also the disk tier's row (real files: about a minute over the whole trace)."""
     for share in capacities:
         if not 0 < share <= 1:
             raise ValueError(f"capacity {share}: expected a share of the distinct blocks in (0, 1]")
@@ -134,7 +170,14 @@ def run(
     for share in capacities:
         capacity = max(1, round(share * distinct))
         row: dict[str, Any] = {"capacity_share": share, "capacity_blocks": capacity}
-        for policy, hits in (("kvpool", hits_kvpool), ("lru", hits_lru), ("min", hits_min)):
+        for policy, hits in (
+            ("kvpool", hits_kvpool),
+            ("lru", hits_lru),
+            ("min", hits_min),
+            ("kvpool+disk", hits_tiered),
+        ):
+            if policy == "kvpool+disk" and not tiered:
+                continue
             row[policy] = round(hits(chains, capacity) / blocks, 4)
         rows.append(row)
     passed = all(row["kvpool"] >= row["lru"] for row in rows)
@@ -147,6 +190,7 @@ def run(
         "unlimited": round(unlimited / blocks, 4),
         "rows": rows,
         "target": "kvpool's embedded pool hits at least as many blocks as plain LRU at every capacity",
+        "disk_factor": DISK_FACTOR,
         "pass": passed,
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
@@ -161,13 +205,18 @@ def to_markdown(result: dict[str, Any]) -> str:
 
     headers = ["capacity (share of distinct blocks)", "blocks", *[f"{policy} hit rate" for policy in POLICIES]]
     rows = [
-        [f"{row['capacity_share']:.0%}", f"{row['capacity_blocks']:,}", *[f"{row[p]:.1%}" for p in POLICIES]]
+        [
+            f"{row['capacity_share']:.0%}",
+            f"{row['capacity_blocks']:,}",
+            *[f"{row[p]:.1%}" if p in row else "-" for p in POLICIES],  # results from before a policy existed
+        ]
         for row in result["rows"]
     ]
     worst = min((row["kvpool"] - row["lru"] for row in result["rows"]), default=0.0)
     lines = [
         f"- {result['requests']:,} requests, {result['prompt_blocks']:,} prompt blocks, {result['distinct_blocks']:,} "
         f"distinct; unlimited capacity hits {result['unlimited']:.1%}",
+        f"- kvpool+disk: the same DRAM, a disk tier of {result.get('disk_factor', DISK_FACTOR)}x its capacity below",
         verdict(
             "kvpool hit rate - plain LRU's, worst capacity (points)", round(100 * worst, 2), ">= 0", result["pass"]
         ),
@@ -183,7 +232,8 @@ def plot(result: dict[str, Any], path: Any) -> None:
     with figure(path, ncols=1) as (_fig, axes):
         axis = axes[0]
         for policy in POLICIES:
-            axis.plot(shares, [row[policy] for row in result["rows"]], "-o", label=policy)
+            if all(policy in row for row in result["rows"]):
+                axis.plot(shares, [row[policy] for row in result["rows"]], "-o", label=policy)
         axis.axhline(result["unlimited"], color="gray", ls=":", label="unlimited")
         axis.set(
             title="Mooncake trace: block hit rate", xlabel="capacity (share of distinct blocks)", ylabel="hit rate"
