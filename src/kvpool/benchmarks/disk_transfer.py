@@ -38,6 +38,8 @@ TARGET = 0.8
 SYSTEMS = ("raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked")
 PAIRS = (("tier_write", "raw_write"), ("tier_read", "raw_read"), ("tier_read_unchecked", "raw_read"))
 TARGETED = {"tier_write", "tier_read"}
+ALL_ARGS: dict[str, Any] = {"keys": KEYS, "rounds": 15}
+TINY_ARGS: dict[str, Any] = {"chunk_sizes": (64 << 10,), "keys": 4, "rounds": 2}
 
 
 def _key(size: int, i: int) -> str:
@@ -161,6 +163,46 @@ def run(
         "results": rows,
         "pass": not failed,
     }
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    from kvpool.benchmarks.report import markdown_table
+
+    def shown(entry: dict[str, Any]) -> str:
+        mark = f" **{entry['verdict']}**" if "verdict" in entry else ""
+        return f"{entry['estimate']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}]{mark}"
+
+    headers = ["chunk", "raw write GB/s", "tier write ÷ raw", "raw read GB/s", "tier read ÷ raw", "unchecked ÷ raw"]
+    rows = [
+        [
+            f"{row['chunk_bytes'] >> 10} KiB",
+            f"{row['gbps']['raw_write']['estimate']:.2f}",
+            shown(row["ratios"]["tier_write"]),
+            f"{row['gbps']['raw_read']['estimate']:.2f}",
+            shown(row["ratios"]["tier_read"]),
+            shown(row["ratios"]["tier_read_unchecked"]),
+        ]
+        for row in result["results"]
+    ]
+    config = result["config"]
+    note = (
+        f"- {config['keys']} chunks a batch, {config['rounds']} interleaved rounds, {config['io']}; ratios paired by "
+        f"round (geometric mean, 95% interval); target tier ÷ raw >= {TARGET} for writes and checked reads"
+    )
+    return markdown_table(headers, rows) + "\n\n" + note + "\n"
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    from kvpool.benchmarks.report import figure
+
+    sizes = [row["chunk_bytes"] >> 10 for row in result["results"]]
+    with figure(path, ncols=1) as (_fig, axes):
+        axis = axes[0]
+        for system in SYSTEMS:
+            axis.plot(sizes, [row["gbps"][system]["estimate"] for row in result["results"]], "-o", label=system)
+        axis.set(title="disk tier vs sequential I/O (page cache)", xlabel="chunk KiB", ylabel="GB/s")
+        axis.set_xscale("log")
+        axis.legend(fontsize=7)
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -70,6 +70,8 @@ BENCHES: tuple[Bench, ...] = (
           {"all": {"backend": "mooncake", "reps": 7, "min_sample_s": 0.05},  # the CLI's 15 reps take ~6 min
            "tiny": {"backend": "mooncake", "chunk_sizes": [64 << 10], "pieces": [1], "keys_per_batch": 4, "reps": 2,
                     "min_sample_s": 0.0, "placements": ["local"]}}, "transfer_report"),
+    Bench("transfer-disk", "Transfers: the embedded pool's disk tier vs the disk's sequential I/O",
+          "kvpool bench transfer --backend disk --json", "disk_transfer", {}),
     Bench("scale", "Scale: concurrency and the embedded pool at capacity", "kvpool bench scale --json", "scale", {}),
     Bench("connector-step", "The whole connector per engine step, next to vLLM's own",
           "kvpool bench connector-step --json", "connector_step",
