@@ -23,7 +23,8 @@ Invariants:
   a prefix chain tail first, so its head ages last and a chain never loses its head before its tail.
 - Start-up rebuilds the index with one scan of the directory (the files are the manifest, so no
   second record can disagree with them), oldest modification first; files beyond the capacity are
-  removed. Measured: ~5 µs a file.
+  removed. Measured here: 13.5 µs a file (100,000 files in 1.3 s); files are at least a chunk each, so
+  a tier of C bytes of chunks of c bytes scans in C / c × 13.5 µs (1 TiB of 2 MiB chunks: ~7 s).
 
 One file per chunk rather than slots in large files: a chunk is a block of every layer (hundreds of
 KiB to MiB at real sizes), so an open and a rename cost little against its bytes, eviction is an
