@@ -5,7 +5,8 @@ process) knows what they hold from their per-step reports. Requests go by token 
 prompts, then other prompts that push them out of the engine's own cache, then the first prompts
 again, whose prefix must now come from the pool. Outputs must equal a server without kvpool; hits
 show in `usage.prompt_tokens_details.cached_tokens`, on /metrics, and as KV events (medium CPU) that
-name exactly the blocks vLLM itself announced for those prompts.
+name exactly the blocks vLLM itself announced for those prompts. The pools have a disk tier: a server
+restarted onto its directory serves the first prompts from disk on its first requests.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ PROMPT_TOKENS = 400  # 6 full blocks: a pool hit serves 384 tokens
 MAX_TOKENS = 8
 TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # tiny llama, float32: 4 layers x 2 KV heads x K,V x 64 dims x 4 bytes
 CACHE_TOKENS = 1024  # the engine's own cache holds two of the prompts, not all six
+BLOCKS_STORED = 10 * 6  # the ten distinct prompts' full blocks
 
 
 class EventSubscriber:
@@ -81,9 +84,6 @@ class EventSubscriber:
         }
 
 
-_BASELINES: dict[int, list[list[int]]] = {}  # tp -> outputs of a server without kvpool for the first prompts
-
-
 def per_block(event: dict[str, Any]) -> list[tuple[int, int | None, list[int]]]:
     """A BlockStored event as (hash, parent, tokens) per block (vLLM announces several blocks in one)."""
     hashes, size = event["block_hashes"], event["block_size"]
@@ -92,7 +92,11 @@ def per_block(event: dict[str, Any]) -> list[tuple[int, int | None, list[int]]]:
     return [(h, parent, tokens[i * size : (i + 1) * size]) for i, (h, parent) in enumerate(zip(hashes, parents))]
 
 
-def serve(model: Path, tp: int, prompts: list[list[int]], **extra: Any) -> list[dict[str, Any]]:
+def serve(
+    model: Path, tp: int, prompts: list[list[int]], until: Callable[[], bool] | None = None, **extra: Any
+) -> list[dict[str, Any]]:
+    """Each prompt's completion, then the server's metrics (and `kvpool inspect`'s view); `until`: what
+    to wait for (60 s at most) before the server stops."""
     settings = {
         "tensor_parallel_size": tp,
         "block_size": BLOCK,
@@ -105,17 +109,25 @@ def serve(model: Path, tp: int, prompts: list[list[int]], **extra: Any) -> list[
         if "kv_transfer_config" in extra:  # what an operator's `kvpool inspect engine` reads
             tail["inspect"] = CliRunner().invoke(app, ["inspect", "engine", server.url, "--json"])
         results.append(tail)
+        deadline = time.monotonic() + 60
+        while until is not None and not until() and time.monotonic() < deadline:
+            time.sleep(0.1)
     return results
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model_dir):
+def test_served_prompts_come_back_from_the_pool_and_after_a_restart_from_its_disk_tier(tp, model_dir, tmp_path):
+    """Each rank writes its pool behind to its own directory under `disk_path`; a new server on the same
+    directory (a rolling restart) knows what every rank's files hold before its first request."""
     model = model_dir("llama")
     first = random_prompts(6, PROMPT_TOKENS, seed=70)
     others = random_prompts(4, PROMPT_TOKENS, seed=71)
     workload = first + others + first
     baseline = serve(model, tp, workload)
-    _BASELINES[tp] = [r["token_ids"] for r in baseline[: len(first)]]
+    disk = tmp_path / "kv"
+
+    def chunk_files() -> list[int]:
+        return [len(list((disk / f"rank{rank}").rglob("*.kvc"))) for rank in range(tp)]
     endpoint = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-events-{uuid.uuid4().hex[:8]}'}"
     subscriber = EventSubscriber(endpoint, "kv")
     try:
@@ -123,8 +135,10 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
             "kv_connector": "KVPoolConnector",
             "kv_connector_module_path": "kvpool.integrations.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"capacity_bytes": "64MiB"},
-        }
+            "kv_connector_extra_config": {
+                "capacity_bytes": "64MiB", "disk_path": str(disk), "disk_capacity_bytes": "1GiB",
+            },
+        }  # fmt: skip
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
         served = serve(
             model,
@@ -133,6 +147,7 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
             kv_transfer_config=connector,
             extra_args=["--kv-events-config", json.dumps(events)],
             env={"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1"},
+            until=lambda: chunk_files() == [BLOCKS_STORED] * tp,  # written behind, off the engine's thread
         )
         time.sleep(0.5)  # the last batches in flight
     finally:
@@ -146,8 +161,6 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
     metrics = tail["metrics"]
     assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= 6 * 384, metrics
     assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
-    assert metrics.get("vllm:kvpool_disk_hits_total", 0) >= 6 * 6 * tp, "DRAM started empty: every hit read the disk"
-    assert metrics.get("vllm:kvpool_pool_disk_keys", 0) == 6 * 6 * tp
     inspected = tail["inspect"]
     assert inspected.exit_code == 0, inspected.output
     engines = json.loads(inspected.output)
@@ -173,44 +186,12 @@ def test_served_prompts_come_back_from_the_pool_with_identical_outputs(tp, model
         assert event["locality"] == "LOCAL" and event["kv_cache_spec_kind"] == "full_attention", event
     assert sum(event["parent_block_hash"] is None for event in pool_events) == len(first) + len(others)
 
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_server_restarted_onto_its_disk_tier_serves_hits_from_its_first_request(tp, model_dir, tmp_path):
-    """Each rank writes its pool behind to its own directory; a new server on the same directory (a
-    rolling restart) knows what every rank's files hold before its first request, and serves it."""
-    model = model_dir("llama")
-    prompts = random_prompts(6, PROMPT_TOKENS, seed=70)  # the first prompts of the test above
-    baseline = _BASELINES.get(tp) or [r["token_ids"] for r in serve(model, tp, prompts)[:-1]]
-    disk = tmp_path / "kv"
-    connector = {
-        "kv_connector": "KVPoolConnector",
-        "kv_connector_module_path": "kvpool.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"capacity_bytes": "64MiB", "disk_path": str(disk), "disk_capacity_bytes": "1GiB"},
-    }
-
-    def chunk_files() -> list[int]:
-        return [len(list((disk / f"rank{rank}").rglob("*.kvc"))) for rank in range(tp)]
-
-    settings = {
-        "tensor_parallel_size": tp,
-        "block_size": BLOCK,
-        "max_model_len": PROMPT_TOKENS + 2 * BLOCK,
-        "kv_cache_memory_bytes": CACHE_TOKENS * TOKEN_BYTES // tp,
-        "kv_transfer_config": connector,
-    }
-    with openai_server(model, **settings) as server:
-        first = [server.complete(prompt, MAX_TOKENS) for prompt in prompts]
-        deadline = time.monotonic() + 60
-        while chunk_files() != [6 * 6] * tp and time.monotonic() < deadline:
-            time.sleep(0.1)  # written behind, off the engine's thread
-    assert [r["token_ids"] for r in first] == baseline
-    assert chunk_files() == [6 * 6] * tp  # every rank keeps its shard of every full block
-    with openai_server(model, **settings) as server:
-        restarted = [server.complete(prompt, MAX_TOKENS) for prompt in prompts]
-        metrics = server.metrics()
-    assert [r["token_ids"] for r in restarted] == baseline
-    assert [r["cached_tokens"] for r in restarted] == [384] * 6, "the restarted server missed its first requests"
-    assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
-    assert metrics.get("vllm:kvpool_disk_hits_total", 0) >= 6 * 6 * tp, "DRAM started empty: every hit read the disk"
-    assert metrics.get("vllm:kvpool_pool_disk_keys", 0) == 6 * 6 * tp
+    # a restart onto the same directory: DRAM starts empty, every rank's files are known before the first request
+    assert chunk_files() == [BLOCKS_STORED] * tp  # every rank keeps its shard of every full block
+    *restarted, tail = serve(model, tp, first, kv_transfer_config=connector)
+    assert [r["token_ids"] for r in restarted] == [r["token_ids"] for r in base_outputs[: len(first)]]
+    assert [r["cached_tokens"] for r in restarted] == [384] * len(first), "the restarted server missed"
+    metrics = tail["metrics"]
+    kvpool = {k: v for k, v in metrics.items() if k.startswith("vllm:kvpool") and not k.endswith("_created")}
+    assert kvpool.get("vllm:kvpool_disk_hits_total", 0) >= len(first) * 6 * tp, kvpool  # every hit read the disk
+    assert metrics.get("vllm:kvpool_pool_disk_keys", 0) == BLOCKS_STORED * tp
