@@ -31,7 +31,7 @@ import json
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +72,9 @@ def _leading(present: Sequence[bool]) -> int:
     return len(present)
 
 
-def hits_kvpool(chains: list[list[int]], capacity: int) -> int:
-    """Blocks hit with the embedded pool holding `capacity` blocks."""
-    pool = MemoryBackend(capacity * BLOCK_BYTES)
+def _replay(pool: MemoryBackend | TieredPool, chains: list[list[int]], settle: Callable[[], object]) -> int:
+    """Blocks hit driving `pool` as kvpool drives it: `exists` for the lookup, `get_into` for the hit's
+    blocks (a load), `put` for the rest (the save); `settle` after each request."""
     blocks = np.zeros((max(map(len, chains), default=0), BLOCK_BYTES), dtype=np.uint8)
     hits = 0
     for chain in chains:
@@ -84,32 +84,28 @@ def hits_kvpool(chains: list[list[int]], capacity: int) -> int:
             pool.get_into(keys[:hit], Rows((blocks,), np.arange(hit)))
         if hit < len(keys):
             pool.put(keys[hit:], Rows((blocks,), np.arange(len(keys) - hit)))
+        settle()
         hits += hit
     return hits
 
 
+def hits_kvpool(chains: list[list[int]], capacity: int) -> int:
+    """Blocks hit with the embedded pool holding `capacity` blocks."""
+    return _replay(MemoryBackend(capacity * BLOCK_BYTES), chains, lambda: None)
+
+
 def hits_tiered(chains: list[list[int]], capacity: int, disk_factor: int = DISK_FACTOR) -> int:
-    """Blocks hit with the embedded pool holding `capacity` blocks in DRAM and `disk_factor` times as
-    many on its disk tier."""
+    """Blocks hit with the embedded pool holding `capacity` blocks in DRAM and at least `disk_factor`
+    times as many on its disk tier (sized for the longest key's file), every write on disk before the
+    next request."""
     with tempfile.TemporaryDirectory(prefix="kvpool-trace-disk-") as folder:
         file_bytes = HEADER_BYTES + len(str(max((max(c) for c in chains if c), default=0))) + BLOCK_BYTES
         disk = DiskTier(folder, disk_factor * capacity * file_bytes)
         pool = TieredPool(MemoryBackend(capacity * BLOCK_BYTES), disk, write_queue_bytes=1 << 30)
-        blocks = np.zeros((max(map(len, chains), default=0), BLOCK_BYTES), dtype=np.uint8)
-        hits = 0
         try:
-            for chain in chains:
-                keys = [str(block) for block in chain]
-                hit = _leading(pool.exists(keys))
-                if hit:
-                    pool.get_into(keys[:hit], Rows((blocks,), np.arange(hit)))
-                if hit < len(keys):
-                    pool.put(keys[hit:], Rows((blocks,), np.arange(len(keys) - hit)))
-                pool.flush(60.0)
-                hits += hit
+            return _replay(pool, chains, lambda: pool.flush(60.0))
         finally:
             pool.shutdown(5.0)
-    return hits
 
 
 def hits_lru(chains: list[list[int]], capacity: int) -> int:
