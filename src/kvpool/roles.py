@@ -10,7 +10,10 @@ Invariants:
   own thread and synchronously by default; it never calls `exists`.
 - Every load is async: the engine waits for it and never computes on, caches or shares its blocks
   before every rank reported it (see `load_watch`). From an embedded pool the copy itself runs on the
-  engine's thread (a memcpy) and is reported finished in the same step.
+  engine's thread (a memcpy) and is reported finished in the same step; with a disk tier below it,
+  on the loader's threads (a disk read must never block the engine), reported a step later.
+- With a disk tier, the scheduler counts every rank's files before any rank reports (a restarted
+  engine hits from its first request); each rank's first report replaces that count.
 - An in-process (embedded) pool is put and loaded on the engine's thread, where the put is the copy;
   a remote one through host copies on the sender's and the loader's threads.
 """
