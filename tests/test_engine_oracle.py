@@ -39,6 +39,7 @@ import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -251,6 +252,11 @@ class EngineOracle(RuleBasedStateMachine):
                 ),
             )
             worker._sender.enough_chunks = worker._sender.enough_bytes = 1 << 62
+            if worker.loader._calls is not None:
+                # one call thread: loads let through together then read in the order they started, so
+                # which one meets a scripted get failure does not depend on how threads are scheduled
+                worker.loader._calls.shutdown()
+                worker.loader._calls = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-call")
             self.ranks.append(Rank(index, pool, tensors, worker))
         self.scheduler = SchedulerCore(
             self.coord,
