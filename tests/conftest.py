@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.worker import WorkerCore
+from kvpool.worker.worker_core import WorkerCore
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpool.benchmarks.device_plan import Shape
 from kvpool.benchmarks.device_rig import Rig
-from kvpool.integrity import Integrity
+from kvpool.core.config import Integrity
 
 
 class SimEvent:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.buffers import as_u8
+from kvpool.core.buffers import as_u8
 
 
 def test_byte_views_share_memory_with_the_caller() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.chunk_origins import ChunkOrigins
-from kvpool.masks import FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.core.masks import FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.scheduler.chunk_origins import ChunkOrigins
 
 HASH_BLOCK = 8
 

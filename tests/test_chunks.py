@@ -8,10 +8,10 @@ from typing import overload
 
 import pytest
 
-from kvpool.chunks import chunk_range, process_tokens
-from kvpool.errors import LayoutError
-from kvpool.keys import ChunkHashes, chunk_hashes
-from kvpool.masks import Mask
+from kvpool.core.chunks import chunk_range, process_tokens
+from kvpool.core.errors import LayoutError
+from kvpool.core.keys import ChunkHashes, chunk_hashes
+from kvpool.core.masks import Mask
 
 
 def reference_chunks(

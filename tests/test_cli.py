@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 import kvpool
-from kvpool import demo
 from kvpool.benchmarks import lookup
-from kvpool.cli import app
+from kvpool.ops import demo
+from kvpool.ops.cli import app
 
 
 def fake_lookup(passed: bool) -> Any:

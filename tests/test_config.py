@@ -1,7 +1,7 @@
 import pytest
 
-from kvpool.config import KVPoolConfig, parse_size
-from kvpool.errors import ConfigError
+from kvpool.core.config import KVPoolConfig, parse_size
+from kvpool.core.errors import ConfigError
 
 
 def test_defaults_and_sizes():

@@ -2,7 +2,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpool import demo
+from kvpool.ops import demo
 
 
 @pytest.mark.vllm

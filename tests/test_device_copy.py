@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_rig import staged_layout
-from kvpool.cuda_runtime import InlineRuntime
-from kvpool.device_copy import DeviceCopier, StagingFull
-from kvpool.errors import LayoutError
-from kvpool.integrity import Integrity
-from kvpool.staging import StagingRing
+from kvpool.core.config import Integrity
+from kvpool.core.errors import LayoutError
+from kvpool.worker.cuda_runtime import InlineRuntime
+from kvpool.worker.device_copy import DeviceCopier, StagingFull
+from kvpool.worker.staging import StagingRing
 
 NUM_BLOCKS = 8
 

@@ -19,12 +19,12 @@ from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
 from kvpool.benchmarks.device_plan import Shape
 from kvpool.benchmarks.device_rig import Rig, staged_layout
-from kvpool.cuda_runtime import InlineRuntime, TorchCuda, pinned_bytes
-from kvpool.device_copy import DEVICE_BUFFER_BYTES, DeviceCopier, StagingFull
-from kvpool.errors import LayoutError
-from kvpool.integrity import Integrity
-from kvpool.layout import KVLayout
-from kvpool.staging import StagingRing
+from kvpool.core.config import Integrity
+from kvpool.core.errors import LayoutError
+from kvpool.worker.cuda_runtime import InlineRuntime, TorchCuda, pinned_bytes
+from kvpool.worker.device_copy import DEVICE_BUFFER_BYTES, DeviceCopier, StagingFull
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.staging import StagingRing
 
 BLOCKS = 12
 
@@ -308,7 +308,7 @@ def test_a_save_the_sender_has_no_room_for_starts_no_device_copy(monkeypatch):
         real = rig.layout.capture_rows
         monkeypatch.setattr(rig.layout, "capture_rows", lambda *a, **k: captures.append(a) or real(*a, **k))
         asked = []
-        monkeypatch.setattr(rig.engine._sender, "has_room", lambda nbytes: asked.append(nbytes) or False)
+        monkeypatch.setattr(rig.engine.saves.sender, "has_room", lambda nbytes: asked.append(nbytes) or False)
         rig.save([1, 2])
         assert asked == [2 * rig.layout.chunk_nbytes(0)] and captures == []  # checked before any copy starts
         assert rig.engine.stats.save_jobs_dropped == 1

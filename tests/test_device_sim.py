@@ -67,7 +67,7 @@ def _segmented(drop=()):
     from device_sim import QueueWrites, SimRuntime
     from kvpool.backends.memory import MemoryBackend
     from kvpool.benchmarks.device_cache import backing_cache, fill_random
-    from kvpool.layout import KVLayout
+    from kvpool.worker.layout import KVLayout
 
     _, tensors = backing_cache(torch, 3, 12, 16, 2, 8, torch.bfloat16, "cpu")
     fill_random(torch, tensors, 3)

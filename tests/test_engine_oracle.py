@@ -50,14 +50,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpool.backends.base import Status, Values
 from kvpool.backends.memory import MemoryBackend
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.layout import KVLayout
-from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
-from kvpool.metadata import StepMetadata
-from kvpool.plan import GroupPlacement
-from kvpool.scheduler import SchedulerConfig, SchedulerCore
-from kvpool.scheduler_steps import SchedulerSteps
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.core.metadata import StepMetadata
+from kvpool.core.plan import GroupPlacement
+from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
+from kvpool.scheduler.steps import SchedulerSteps
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 B = 16  # every group's block size and the hash block size
 LAYERS = 2
@@ -251,12 +251,12 @@ class EngineOracle(RuleBasedStateMachine):
                     save_linger_steps=1 << 30, save_linger_s=1e9,
                 ),
             )
-            worker._sender.enough_chunks = worker._sender.enough_bytes = 1 << 62
-            if worker.loader._calls is not None:
+            worker.saves.sender.enough_chunks = worker.saves.sender.enough_bytes = 1 << 62
+            if worker.loads.loader._calls is not None:
                 # one call thread: loads let through together then read in the order they started, so
                 # which one meets a scripted get failure does not depend on how threads are scheduled
-                worker.loader._calls.shutdown()
-                worker.loader._calls = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-call")
+                worker.loads.loader._calls.shutdown()
+                worker.loads.loader._calls = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-call")
             self.ranks.append(Rank(index, pool, tensors, worker))
         self.scheduler = SchedulerCore(
             self.coord,
@@ -770,7 +770,7 @@ class EngineOracle(RuleBasedStateMachine):
 
     def _let_through(self, rank: Rank, loads_only: bool = False) -> None:
         rank.pool.let_through((LOADER,) if loads_only else (SENDER, LOADER))
-        done = rank.worker.loader.drain(10) if loads_only else rank.worker.drain(10)
+        done = rank.worker.loads.loader.drain(10) if loads_only else rank.worker.drain(10)
         rank.pool.let_through(())
         assert done
 

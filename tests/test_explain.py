@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.explain import StopReason, explain
-from kvpool.keys import chunk_hashes
-from kvpool.masks import FullAttention, MaskCoordinator, SlidingWindow
-from kvpool.scheduler import SchedulerCore
+from kvpool.core.keys import chunk_hashes
+from kvpool.core.masks import FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.scheduler.explain import StopReason, explain
+from kvpool.scheduler.scheduler_core import SchedulerCore
 from test_scheduler import Pool, full_scheduler, hashes_for, space
 
 

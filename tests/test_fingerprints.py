@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.config import KVPoolConfig
-from kvpool.fingerprints import (
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.fingerprints import (
     GroupFacts,
     ModelFacts,
     WeightsFacts,
@@ -18,8 +18,8 @@ from kvpool.fingerprints import (
     isa_from_flags,
     weights_digest,
 )
-from kvpool.masks import FullAttention
-from kvpool.specs import SpecFacts
+from kvpool.core.masks import FullAttention
+from kvpool.core.specs import SpecFacts
 
 WEIGHTS = WeightsFacts(
     kv_cache_dtype="auto",

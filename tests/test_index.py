@@ -10,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.backends.memory import MemoryBackend
-from kvpool.index import PoolEvent, PoolIndex, PoolReport, PoolTracker
-from kvpool.keys import KeySpace, LayoutFingerprint
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.pool_reports import PoolEvent, PoolReport
+from kvpool.scheduler.index import PoolIndex
+from kvpool.worker.pool_tracker import PoolTracker
 
 
 def space(group: int, shard: int = 0, pp: int = 0) -> KeySpace:
@@ -155,8 +157,8 @@ def test_the_index_equals_what_the_pools_hold(ops: list[tuple[str, int, int, boo
 def test_the_full_attention_fast_path_equals_the_general_lookup(data: st.DataObject, blocks: tuple[int, ...]) -> None:
     """All groups full attention: the index answers with one run of present chunks per group; the
     answer must be the one the general lookup (keys through exists) gives for the same contents."""
-    from kvpool.masks import FullAttention, MaskCoordinator
-    from kvpool.scheduler import SchedulerCore
+    from kvpool.core.masks import FullAttention, MaskCoordinator
+    from kvpool.scheduler.scheduler_core import SchedulerCore
 
     kinds = [FullAttention(b) for b in blocks]
     coord = MaskCoordinator(kinds, hash_block_size=16)
@@ -166,7 +168,7 @@ def test_the_full_attention_fast_path_equals_the_general_lookup(data: st.DataObj
     pool = MemoryBackend(1 << 20)
     index = PoolIndex(spaces)
     for g, kind in enumerate(kinds):
-        from kvpool.keys import chunk_hashes
+        from kvpool.core.keys import chunk_hashes
 
         named = chunk_hashes(hashes, 16, kind.block_size)
         held = data.draw(st.sets(st.integers(0, max(0, len(named) - 1))), label=f"group {g} holds")

@@ -9,12 +9,13 @@ from hypothesis import strategies as st
 
 from kvpool.backends.base import Rows, Status
 from kvpool.backends.memory import MemoryBackend
-from kvpool.chunks import ChunkRef
-from kvpool.errors import LayoutError
-from kvpool.integrity import SAMPLE_PAGE_BYTES, SEAL_BYTES, Integrity, Sealer
-from kvpool.layout import KVLayout
-from kvpool.loader import Loader
-from kvpool.worker import WorkerStats
+from kvpool.core.chunks import ChunkRef
+from kvpool.core.config import Integrity
+from kvpool.core.errors import LayoutError
+from kvpool.worker.integrity import SAMPLE_PAGE_BYTES, SEAL_BYTES, Sealer
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.loader import Loader
+from kvpool.worker.stats import WorkerStats
 
 SEALED = [Integrity.SAMPLED, Integrity.FULL]
 NUM_BLOCKS = 6

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvpool.errors import LayoutError
-from kvpool.keys import KEY_SCHEMA, ChunkHashes, KeySpace, LayoutFingerprint, chunk_hashes
+from kvpool.core.errors import LayoutError
+from kvpool.core.keys import KEY_SCHEMA, ChunkHashes, KeySpace, LayoutFingerprint, chunk_hashes
 
 BASE = LayoutFingerprint(model="org/Model-7B", dtype="bfloat16", block_size=16, kv_layout="cpu:LBHNC:amx")
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.errors import LayoutError
-from kvpool.layout import KVLayout
+from kvpool.core.errors import LayoutError
+from kvpool.worker.layout import KVLayout
 
 
 def joined(pieces: list) -> bytes:  # type: ignore[type-arg]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvpool.load_watch import LoadWatch, load_targets
-from kvpool.metadata import LoadSpec
+from kvpool.core.metadata import LoadSpec
+from kvpool.scheduler.load_watch import LoadWatch, load_targets
 
 TABLE = ([0, 11, 12, 13, 14], [21, 22, 23])  # group 0: 16-token blocks (block 0 null), group 1: 32-token
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from kvpool.backends.base import Status, Value
-from kvpool.loader import CALL_THREADS
-from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
-from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow
+from kvpool.core.metadata import LoadSpec, RequestDelta, StepMetadata
+from kvpool.worker.loader import CALL_THREADS
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 from worker_fakes import POISON, FakeModel, RecordingBackend, simple, start
 
 
@@ -357,7 +357,7 @@ def test_an_exception_while_storing_ends_every_batch_so_no_request_is_kept(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("scripted failure after the put")
 
-    monkeypatch.setattr(engine, "_track_stored", broken)
+    monkeypatch.setattr(engine.saves, "_report", broken)
     engine.save_request("r", 64)
     assert engine.drain(5)
     monkeypatch.undo()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import ConfigError, LayoutError
-from kvpool.masks import (
+from kvpool.core.errors import ConfigError, LayoutError
+from kvpool.core.masks import (
     AttentionKind,
     ChunkedLocal,
     FullAttention,

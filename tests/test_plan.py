@@ -8,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError, LayoutError
-from kvpool.fingerprints import GroupFacts, ModelFacts
-from kvpool.masks import ChunkedLocal, FullAttention, SlidingWindow
-from kvpool.plan import EngineFacts, ModelPlan, Parallelism, build_plan
-from kvpool.specs import SpecFacts, group_layer
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.errors import ConfigError, LayoutError
+from kvpool.core.fingerprints import GroupFacts, ModelFacts
+from kvpool.core.masks import ChunkedLocal, FullAttention, SlidingWindow
+from kvpool.core.plan import EngineFacts, ModelPlan, Parallelism, build_plan
+from kvpool.core.specs import SpecFacts, group_layer
 
 MODEL = ModelFacts(model="/models/llama", device="cuda", torch_version="2.9.0", hash_algo="sha256", weights="w0")
 FULL = GroupFacts(SpecFacts("FullAttentionSpec", 64), dtype="torch.bfloat16", num_kv_heads=2, head_size=64)

@@ -4,7 +4,7 @@ import sys
 
 def test_core_imports_without_vllm_or_mooncake():
     code = (
-        "import sys, kvpool, kvpool.cli;"
+        "import sys, kvpool, kvpool.ops.cli;"
         "bad = [m for m in ('vllm', 'mooncake', 'torch') if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.integrations import registry
+from kvpool.connector import registry
 
 
 @dataclass(eq=False)

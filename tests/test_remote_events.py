@@ -6,9 +6,10 @@ from __future__ import annotations
 import hashlib
 import pickle
 
-from kvpool.index import PoolEvent
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.remote_events import PutTracker, RemoteEvents
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.pool_reports import PoolEvent
+from kvpool.scheduler.remote_events import RemoteEvents
+from kvpool.worker.pool_tracker import PutTracker
 
 
 def space(group: int, shard: int = 0) -> KeySpace:

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from kvpool.backends.memory import MemoryBackend, drop_shared_memory_pools
-from kvpool.config import KVPoolConfig
-from kvpool.fingerprints import GroupFacts, ModelFacts
-from kvpool.index import PoolTracker
-from kvpool.plan import EngineFacts, ModelPlan, Parallelism, build_plan
-from kvpool.roles import scheduler_role, worker_config, worker_role
-from kvpool.specs import SpecFacts
+from kvpool.connector.roles import scheduler_role, worker_config, worker_role
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.fingerprints import GroupFacts, ModelFacts
+from kvpool.core.plan import EngineFacts, ModelPlan, Parallelism, build_plan
+from kvpool.core.specs import SpecFacts
+from kvpool.worker.pool_tracker import PoolTracker
 from test_scheduler import hashes_for
 from worker_fakes import RecordingBackend
 
@@ -194,7 +194,8 @@ def pool_name() -> Iterator[str]:
 
 def test_the_core_modules_import_no_engine() -> None:
     code = (
-        "import sys, kvpool.plan, kvpool.fingerprints, kvpool.roles, kvpool.load_watch, kvpool.integrations.registry;"
+        "import sys, kvpool.core.plan, kvpool.core.fingerprints, kvpool.connector.roles, kvpool.scheduler.load_watch,"
+        " kvpool.connector.registry;"
         "bad = [m for m in ('vllm', 'mooncake', 'torch') if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.backends.memory import MemoryBackend
-from kvpool.errors import LayoutError
-from kvpool.keys import KeySpace, LayoutFingerprint, chunk_hashes
-from kvpool.masks import AttentionKind, FullAttention, MaskCoordinator, SlidingWindow
-from kvpool.metadata import RequestDelta
-from kvpool.scheduler import SchedulerConfig, SchedulerCore
+from kvpool.core.errors import LayoutError
+from kvpool.core.keys import KeySpace, LayoutFingerprint, chunk_hashes
+from kvpool.core.masks import AttentionKind, FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.core.metadata import RequestDelta
+from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
 
 
 def hashes_for(tag: str, count: int) -> list[bytes]:

@@ -9,9 +9,9 @@ preempted and re-admits it, with its load armed before the step is built.
 
 from __future__ import annotations
 
-from kvpool.metadata import StepMetadata
-from kvpool.scheduler import SchedulerConfig
-from kvpool.scheduler_steps import SchedulerSteps
+from kvpool.core.metadata import StepMetadata
+from kvpool.scheduler.scheduler_core import SchedulerConfig
+from kvpool.scheduler.steps import SchedulerSteps
 from test_scheduler import Pool, full_scheduler, hashes_for
 
 TABLE = ([11, 12, 13, 14, 15, 16, 17, 18, 19],)

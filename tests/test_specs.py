@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.errors import LayoutError
-from kvpool.masks import ChunkedLocal, FullAttention, SlidingWindow
-from kvpool.specs import REFUSED_SPECS, SUPPORTED_SPECS, SpecFacts, attention_kind
+from kvpool.core.errors import LayoutError
+from kvpool.core.masks import ChunkedLocal, FullAttention, SlidingWindow
+from kvpool.core.specs import REFUSED_SPECS, SUPPORTED_SPECS, SpecFacts, attention_kind
 
 
 def test_supported_specs_map_to_their_kind() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import event
 
-from kvpool.masks import FullAttention, StateSpace
+from kvpool.core.masks import FullAttention, StateSpace
 from test_engine_oracle import LAYERS, ORACLE_SETTINGS, B, EngineOracle, Req, Run, Step, digest
 
 

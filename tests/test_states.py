@@ -9,16 +9,16 @@ import dataclasses
 import pytest
 
 from kvpool.backends.base import Status
-from kvpool.config import KVPoolConfig
-from kvpool.errors import LayoutError
-from kvpool.fingerprints import GroupFacts
-from kvpool.masks import FullAttention, MaskCoordinator, StateSpace
-from kvpool.metadata import RequestDelta
-from kvpool.plan import Parallelism, build_plan
-from kvpool.scheduler import SchedulerConfig, SchedulerCore
-from kvpool.scheduler_steps import SchedulerSteps
-from kvpool.specs import STATE_SETTINGS, SpecFacts, attention_kind
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.errors import LayoutError
+from kvpool.core.fingerprints import GroupFacts
+from kvpool.core.masks import FullAttention, MaskCoordinator, StateSpace
+from kvpool.core.metadata import RequestDelta
+from kvpool.core.plan import Parallelism, build_plan
+from kvpool.core.specs import STATE_SETTINGS, SpecFacts, attention_kind
+from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
+from kvpool.scheduler.steps import SchedulerSteps
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 from test_plan import FULL, engine
 from test_scheduler import Pool, hashes_for, space
 from worker_fakes import LAYERS, FakeModel, RecordingBackend, block_content
@@ -248,7 +248,7 @@ def test_states_of_a_finished_request_are_dropped(closing: list[WorkerCore]) -> 
 
 
 def test_explain_names_the_state_group_and_its_boundary() -> None:
-    from kvpool.explain import StopReason, explain
+    from kvpool.scheduler.explain import StopReason, explain
 
     pool = Pool()
     core = hybrid_scheduler(pool)

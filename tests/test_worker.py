@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
-from kvpool.errors import LayoutError
-from kvpool.layout import KVLayout
-from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow, StateSpace
-from kvpool.metadata import RequestDelta, StepMetadata
-from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.errors import LayoutError
+from kvpool.core.masks import AttentionKind, ChunkedLocal, FullAttention, SlidingWindow, StateSpace
+from kvpool.core.metadata import RequestDelta, StepMetadata
+from kvpool.core.plan import GroupPlacement
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 from worker_fakes import (
     BLOCK_BYTES,
     LAYERS,

@@ -13,12 +13,12 @@ import numpy as np
 
 from kvpool.backends.base import BackendStats, Status, Value
 from kvpool.backends.memory import MemoryBackend
-from kvpool.keys import KeySpace, LayoutFingerprint, chunk_hashes
-from kvpool.layout import KVLayout
-from kvpool.masks import AttentionKind, FullAttention, MaskCoordinator
-from kvpool.metadata import RequestDelta
-from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.keys import KeySpace, LayoutFingerprint, chunk_hashes
+from kvpool.core.masks import AttentionKind, FullAttention, MaskCoordinator
+from kvpool.core.metadata import RequestDelta
+from kvpool.core.plan import GroupPlacement
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 LAYERS = 2
 BLOCK_BYTES = 8  # per layer: chunk values are LAYERS * BLOCK_BYTES bytes

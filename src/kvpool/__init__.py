@@ -5,22 +5,22 @@ imports neither vLLM nor Mooncake."""
 from kvpool.backends.base import Backend, BackendStats, Rows, Status
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend, shared_memory_pool
-from kvpool.chunks import process_tokens
-from kvpool.config import KVPoolConfig
-from kvpool.errors import (
+from kvpool.core.chunks import process_tokens
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.errors import (
     BackendError,
     BackendUnavailableError,
     ConfigError,
     KVPoolError,
     LayoutError,
 )
-from kvpool.keys import ChunkHashes, KeySpace, LayoutFingerprint, chunk_hashes
-from kvpool.layout import KVLayout
-from kvpool.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow, StateSpace
-from kvpool.metadata import LoadSpec, RequestDelta, StepMetadata
-from kvpool.plan import GroupPlacement
-from kvpool.scheduler import SchedulerConfig, SchedulerCore
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.keys import ChunkHashes, KeySpace, LayoutFingerprint, chunk_hashes
+from kvpool.core.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow, StateSpace
+from kvpool.core.metadata import LoadSpec, RequestDelta, StepMetadata
+from kvpool.core.plan import GroupPlacement
+from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 __version__ = "0.1.0"
 

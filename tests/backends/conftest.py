@@ -43,7 +43,7 @@ def client_options() -> Callable[..., dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def mooncake_master(mooncake_available: None) -> Iterator[Any]:
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     master = start_master()
     try:

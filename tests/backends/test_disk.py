@@ -24,10 +24,11 @@ from kvpool.backends.disk import HEADER_BYTES, SUFFIX, DiskTier, stored_keys
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
-from kvpool.config import KVPoolConfig
-from kvpool.errors import ConfigError
-from kvpool.index import PoolIndex, PoolTracker
-from kvpool.keys import KeySpace, LayoutFingerprint
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.errors import ConfigError
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.scheduler.index import PoolIndex
+from kvpool.worker.pool_tracker import PoolTracker
 
 CHUNK = 4096
 PREFIX = "kvp1/tiny/0123456789abcdef/s0/p0/g0/"

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool.backends.base import Status
-from kvpool.cli import app
-from kvpool.inspection import namespaces_of
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.mooncake_master import free_port
+from kvpool.backends.mooncake.master import free_port
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.ops.cli import app
+from kvpool.ops.inspection import namespaces_of
 
 A = KeySpace(LayoutFingerprint("org/Model-A", "bf16", 64, "cpu", group_id=0))
 B = KeySpace(LayoutFingerprint("org/Model-A", "bf16", 64, "cpu", group_id=1, tp_shard=1))

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from kvpool import mooncake_master
-from kvpool.cli import app, master_flags
-from kvpool.mooncake_master import free_port, port_open
+from kvpool.backends.mooncake import master as mooncake_master
+from kvpool.backends.mooncake.master import free_port, port_open
+from kvpool.ops.cli import app, master_flags
 
 
 def test_master_options_become_mooncake_flags_and_bad_values_are_usage_errors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +57,7 @@ def _children(pid: int) -> list[int]:
 
 def test_kvpool_master_serves_prints_its_config_and_stops_on_sigterm(mooncake_available: None) -> None:
     port = free_port()
-    command = [sys.executable, "-c", "from kvpool.cli import main; main()", "master", "--rpc-port", str(port)]
+    command = [sys.executable, "-c", "from kvpool.ops.cli import main; main()", "master", "--rpc-port", str(port)]
     command += ["--lease-ttl-ms", "1000", "--client-ttl-s", "3"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

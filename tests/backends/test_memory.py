@@ -12,7 +12,7 @@ import pytest
 from kvpool.backends.base import Status
 from kvpool.backends.factory import BACKEND_NAMES, create_backend
 from kvpool.backends.memory import MemoryBackend, drop_shared_memory_pools, shared_memory_pool
-from kvpool.errors import ConfigError
+from kvpool.core.errors import ConfigError
 
 
 def value(tag: str, size: int) -> list[np.ndarray]:

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from kvpool.backends.memory import MemoryBackend
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.layout import KVLayout
-from kvpool.masks import FullAttention, MaskCoordinator
-from kvpool.metadata import LoadSpec, RequestDelta
-from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.masks import FullAttention, MaskCoordinator
+from kvpool.core.metadata import LoadSpec, RequestDelta
+from kvpool.core.plan import GroupPlacement
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 BLOCKS = 8
 
@@ -82,7 +82,7 @@ def test_registered_kv_memory_moves_over_mooncake_and_is_unregistered(mooncake_m
         load = RequestDelta("b", new_hashes=hashes, new_blocks=([5, 6],), num_prompt_tokens=40)
         load.load = LoadSpec(0, 32)
         engine.apply([load])
-        assert engine.loader.drain(10) and engine.stats.chunks_loaded == 2
+        assert engine.loads.loader.drain(10) and engine.stats.chunks_loaded == 2
         for tensor in tensors.values():
             assert np.array_equal(tensor[[5, 6]], tensor[[1, 2]])
         registered = list(engine._registered)

@@ -22,8 +22,8 @@ import pytest
 from kvpool.backends.base import Status
 from kvpool.backends.factory import create_backend
 from kvpool.backends.mooncake import MooncakeBackend, MooncakeErrorCode, MooncakeOptions, status_of
-from kvpool.errors import BackendUnavailableError, ConfigError
-from kvpool.sizes import parse_size
+from kvpool.core.errors import BackendUnavailableError, ConfigError
+from kvpool.core.sizes import parse_size
 
 pytestmark = pytest.mark.timeout(90)  # every wait below is bounded; this catches a native hang
 
@@ -34,7 +34,7 @@ RECOVERY_S = 30.0
 
 @pytest.fixture
 def master(mooncake_available: None) -> Iterator[Any]:
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     # client_ttl=2: a SIGKILLed client's segment is dropped after ~3 s instead of ~11 s
     running = start_master(extra_args=["--client_ttl=2"])
@@ -147,7 +147,7 @@ def test_master_helper_serves_loopback_and_prints_its_config(master: Any) -> Non
 
 @pytest.mark.mooncake
 def test_setup_without_a_master_fails_fast(mooncake_available: None) -> None:
-    from kvpool.mooncake_master import free_port
+    from kvpool.backends.mooncake.master import free_port
 
     started = time.monotonic()
     with pytest.raises(BackendUnavailableError, match="kvpool master"):
@@ -176,7 +176,7 @@ def test_use_after_close_answers_unavailable(master: Any, client: Callable[..., 
 def test_dead_master_trips_the_breaker_and_a_restart_closes_it(
     master: Any, client: Callable[..., MooncakeBackend]
 ) -> None:
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     backend = client(master, breaker_cooldown_s=0.5)
     old = "before-restart"

@@ -9,15 +9,15 @@ import numpy as np
 from typer.testing import CliRunner
 
 from kvpool.backends.base import Status
-from kvpool.cli import app
-from kvpool.segment_holder import SegmentHolder
+from kvpool.backends.mooncake.segment_holder import SegmentHolder
+from kvpool.ops.cli import app
 
 
 def test_a_segment_holder_stores_what_zero_segment_clients_put_until_it_stops(
     mooncake_available: None, client_options: Any
 ) -> None:
     from kvpool.backends.mooncake import MooncakeBackend
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     master = start_master()  # its own: the holder's must be the pool's only segment
     holder = SegmentHolder(master.address, 16 << 20)

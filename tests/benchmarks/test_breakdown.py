@@ -71,7 +71,7 @@ def test_both_connectors_give_the_same_tokens(result: dict[str, Any]) -> None:
 
 def test_profile_reduction_keeps_connector_frames() -> None:
     step = "step (vllm/v1/engine/core.py:10)"
-    kvpool = "lookup (/x/src/kvpool/scheduler.py:5);batch (/x/src/kvpool/backends/mooncake/batch.py:9)"
+    kvpool = "lookup (/x/src/kvpool/scheduler/scheduler_core.py:5);batch (/x/src/kvpool/backends/mooncake/batch.py:9)"
     vllm = "run (/v/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/worker.py:1)"
     raw = "\n".join(
         [f"{step};{kvpool} 30", f"{step};forward (torch/nn/module.py:3) 60", f"{vllm};recv (zmq/sugar/socket.py:2) 10"]

@@ -50,8 +50,8 @@ def test_every_vllm_spec_without_per_layer_views_is_refused_at_start_up_by_name(
     name at start-up (specs.py); a raw buffer that reaches the layout anyway is refused there too."""
     import inspect
 
-    from kvpool.errors import LayoutError
-    from kvpool.specs import REFUSED_SPECS, SUPPORTED_SPECS, SpecFacts, attention_kind
+    from kvpool.core.errors import LayoutError
+    from kvpool.core.specs import REFUSED_SPECS, SUPPORTED_SPECS, SpecFacts, attention_kind
 
     raw = []
     for name, cls in inspect.getmembers(kv_cache_interface, inspect.isclass):

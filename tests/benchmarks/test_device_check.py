@@ -16,7 +16,7 @@ import torch
 from kvpool.benchmarks import device_check, device_phases
 from kvpool.benchmarks.device_plan import BandwidthRow, Plan, RoundTripPlan, Shape, check_plan, dry_plan, gpu_plan
 from kvpool.benchmarks.device_rig import SyncCounter
-from kvpool.cuda_runtime import InlineRuntime
+from kvpool.worker.cuda_runtime import InlineRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "device_check.sh")
@@ -213,7 +213,7 @@ def test_on_cuda_the_counter_counts_explicit_and_implicit_syncs_of_the_engine_th
 
 
 def test_the_engine_thread_phase_fails_when_a_load_waits_for_the_gpu_on_that_thread(monkeypatch):
-    from kvpool.device_copy import DeviceCopier
+    from kvpool.worker.device_copy import DeviceCopier
 
     real = DeviceCopier.load
 

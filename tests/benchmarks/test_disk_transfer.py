@@ -8,7 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from kvpool.benchmarks import disk_transfer
-from kvpool.cli import app
+from kvpool.ops.cli import app
 
 
 def test_the_disk_bench_times_every_move_and_states_each_target(tmp_path) -> None:

@@ -15,7 +15,7 @@ from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks import scale
 from kvpool.benchmarks.scale_pool import CHUNK_BYTES, PlainLRU, capacity_row
-from kvpool.cli import app
+from kvpool.ops.cli import app
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,7 @@ def test_bad_arguments() -> None:
 
 
 def test_cli_options() -> None:
-    from kvpool.cli import app
+    from kvpool.ops.cli import app
 
     args = ["bench", "store-path", "--json", "--no-fail", "--contexts", "64,128", "--block-sizes", "16"]
     outcome = CliRunner().invoke(app, [*args, "--requests", "1", "--steps", "16", "--modes", "incremental"])

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool.benchmarks import suite
-from kvpool.cli import app
+from kvpool.ops.cli import app
 
 
 def test_the_suite_writes_results_tables_plots_and_the_reports_generated_parts(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from kvpool.benchmarks import suite, trace, trace_report
 from kvpool.benchmarks.trace import TraceRequest, Workload
-from kvpool.cli import app
+from kvpool.ops.cli import app
 
 needs_trace = pytest.mark.skipif(not os.path.exists(trace.DEFAULT_TRACE), reason="the Mooncake trace is not here")
 VOCAB = 1024

@@ -96,7 +96,7 @@ def test_mooncake_local_and_remote(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_json(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from kvpool.cli import app
+    from kvpool.ops.cli import app
 
     monkeypatch.setattr(transfer, "run", functools.partial(transfer.run, **TINY))
     outcome = CliRunner().invoke(app, ["bench", "transfer", "--backend", "memory", "--json", "--no-fail"])
@@ -107,7 +107,7 @@ def test_cli_json(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from kvpool.cli import app
+    from kvpool.ops.cli import app
 
     seen: dict[str, Any] = {}
     real_run = transfer.run

@@ -60,8 +60,8 @@ class CountingBackend:
 
 def tp_model(namespace: str) -> tuple[Any, list[Any]]:
     """(coordinator, key spaces) of a two-group hybrid model: full attention + a sliding window."""
-    from kvpool.keys import KeySpace, LayoutFingerprint
-    from kvpool.masks import FullAttention, MaskCoordinator, SlidingWindow
+    from kvpool.core.keys import KeySpace, LayoutFingerprint
+    from kvpool.core.masks import FullAttention, MaskCoordinator, SlidingWindow
 
     kinds = [FullAttention(TP_BLOCK), SlidingWindow(TP_BLOCK, 2 * TP_BLOCK)]
     coordinator = MaskCoordinator(kinds, retention_interval=None)
@@ -92,7 +92,7 @@ def tp_block_bytes(group: int, block_id: int, layer: int) -> np.ndarray:
 def tp_layout() -> Any:
     """KV memory whose every block holds bytes derived from (group, block id, layer): identical on every
     rank, as for TP ranks that hold replicated KV heads (the case put_step > 1 is for)."""
-    from kvpool.layout import KVLayout
+    from kvpool.worker.layout import KVLayout
 
     tensors = {}
     groups = {}
@@ -113,8 +113,8 @@ def tp_expected_value(group: int, block_id: int) -> bytes:
 
 def run_tp_rank(backend: Any, namespace: str, put_step: int, rank: int, layout: Any = None) -> CountingBackend:
     """Save every request of `tp_requests` incrementally, as this rank; returns the counting backend."""
-    from kvpool.metadata import RequestDelta
-    from kvpool.worker import GroupPlacement, WorkerCore
+    from kvpool.core.metadata import RequestDelta
+    from kvpool.worker.worker_core import GroupPlacement, WorkerCore
 
     coordinator, spaces = tp_model(namespace)
     counting = CountingBackend(backend)

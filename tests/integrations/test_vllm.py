@@ -319,8 +319,8 @@ def test_explain_says_what_the_engine_then_loads_on_a_hybrid_model(retention, mo
     """On a hybrid model (full + sliding window), the explanation of each prompt, taken on the engine that
     then runs it, names the hit the engine loads (local cache emptied first: every cached token is a
     pool hit) and the chunks it loads."""
-    from kvpool.explain import StopReason
-    from kvpool.integrations.vllm_explain import explain_prompt
+    from kvpool.integrations.vllm.explain import explain_prompt
+    from kvpool.scheduler.explain import StopReason
 
     model = model_dir("gemma3")
     first, other = random_prompts(2, 300, seed=13)
@@ -363,7 +363,7 @@ def test_inspect_explain_on_the_command_line(model_dir, pool_name, tmp_path):
 
     from typer.testing import CliRunner
 
-    from kvpool.cli import app
+    from kvpool.ops.cli import app
 
     model = model_dir("llama")
     (prompt,) = random_prompts(1, 300, seed=14)

@@ -11,7 +11,7 @@ import pytest
 from kvpool.backends.disk import SUFFIX, DiskTier
 from kvpool.backends.factory import create_backend
 from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
-from kvpool.config import KVPoolConfig
+from kvpool.core.config import KVPoolConfig
 from kvpool.integrations.vllm import local_worker
 from kvpool.testing.engine import engine, generate_greedy
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.backends.memory import MemoryBackend
 from kvpool.integrations.vllm import KVPoolConnector, local_scheduler, local_worker
-from kvpool.integrations.vllm_metrics import (
+from kvpool.integrations.vllm.metrics import (
     ALL_GAUGES,
     COUNTERS,
     SCHEDULER_COUNTERS,
@@ -30,9 +30,9 @@ from kvpool.integrations.vllm_metrics import (
     SchedulerStatsSampler,
     WorkerStatsSampler,
 )
-from kvpool.scheduler import SchedulerStats
+from kvpool.scheduler.scheduler_core import SchedulerStats
 from kvpool.testing.engine import engine, generate_greedy
-from kvpool.worker import WorkerStats
+from kvpool.worker.stats import WorkerStats
 
 from .conftest import BLOCK, connector_config, random_prompts
 

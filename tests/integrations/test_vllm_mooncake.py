@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from kvpool.backends.base import Status
+from kvpool.backends.mooncake.segment_holder import SegmentHolder
 from kvpool.integrations.vllm import _LOCAL_SCHEDULERS, local_worker
-from kvpool.segment_holder import SegmentHolder
 from kvpool.testing.engine import GreedyResult, assert_same_greedy, engine, generate_greedy
 from kvpool.testing.mooncake import mooncake_or_skip
 
@@ -72,7 +72,7 @@ def baseline(llama: Path) -> dict[str, list[GreedyResult]]:
 @pytest.fixture
 def masters(mooncake_available: None) -> Iterator[Callable[..., Any]]:
     """Starts mooncake_masters (loopback, free ports unless given); all stopped at teardown."""
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     started: list[Any] = []
 
@@ -257,7 +257,7 @@ def test_a_hung_master_costs_each_request_at_most_one_lookup_deadline(llama, bas
     """SIGSTOP the master (its port stays open, nothing answers), then SIGCONT: requests sent one at a time
     keep their outputs, cost at most one lookup deadline more than computing once the breaker is open,
     and hits come back from the pool without a restart."""
-    from kvpool.scheduler import DEFAULT_LOOKUP_TIMEOUT_S
+    from kvpool.scheduler.scheduler_core import DEFAULT_LOOKUP_TIMEOUT_S
 
     master = masters()
     config = mooncake_connector(master, global_segment_size=64 << 20, breaker_cooldown_s=0.5)
@@ -328,7 +328,7 @@ def test_a_chunk_damaged_in_mooncake_fails_its_seal_and_is_recomputed(llama, bas
     """A saves with seals; each stored chunk is then replaced by a damaged copy, seal kept (a
     transfer or a segment gone bad); B's loads catch every one, recompute, count and drop them."""
     from kvpool.backends.mooncake import MooncakeBackend
-    from kvpool.integrity import SEAL_BYTES
+    from kvpool.worker.integrity import SEAL_BYTES
 
     from .conftest import damage
 
@@ -398,7 +398,7 @@ def test_tp_ranks_stride_puts_over_mooncake(masters, tmp_path):
     one-rank set, stored with the right bytes."""
     from kvpool.backends.memory import MemoryBackend
     from kvpool.backends.mooncake import MooncakeBackend
-    from kvpool.keys import chunk_hashes
+    from kvpool.core.keys import chunk_hashes
 
     master = masters()
     namespace = uuid.uuid4().hex

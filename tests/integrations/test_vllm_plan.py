@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.config import KVPoolConfig
-from kvpool.errors import LayoutError
-from kvpool.integrations.vllm_plan import group_spec, plan_model, spec_facts, weights_digest
-from kvpool.masks import FullAttention, SlidingWindow, StateSpace
-from kvpool.specs import attention_kind
+from kvpool.core.config import KVPoolConfig
+from kvpool.core.errors import LayoutError
+from kvpool.core.masks import FullAttention, SlidingWindow, StateSpace
+from kvpool.core.specs import attention_kind
+from kvpool.integrations.vllm.plan import group_spec, plan_model, spec_facts, weights_digest
 
 vllm_cache = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
@@ -182,8 +182,8 @@ def test_worker_reports_pickle_and_aggregate_over_ranks() -> None:
     """vLLM folds the ranks' metadata left to right and, across processes, pickles it every step."""
     import pickle
 
-    from kvpool.index import PoolReport
-    from kvpool.integrations.vllm_metadata import KVPoolWorkerMetadata
+    from kvpool.core.pool_reports import PoolReport
+    from kvpool.integrations.vllm.metadata import KVPoolWorkerMetadata
 
     ranks = [KVPoolWorkerMetadata([PoolReport(rank, 0, stored={"p/": [bytes([rank])]})]) for rank in range(4)]
     combined = ranks[0]
@@ -199,7 +199,7 @@ def test_a_pool_hit_drops_its_last_block_exactly_when_vllm_drops_a_local_hits() 
     drafting, unless disabled): the plan reads the same switch, and no speculative config means none."""
     from vllm.config import SpeculativeConfig
 
-    from kvpool.integrations.vllm_plan import drops_eagle_block
+    from kvpool.integrations.vllm.plan import drops_eagle_block
 
     def speculative(method: str, disabled: bool = False) -> SpeculativeConfig:
         spec = SpeculativeConfig.__new__(SpeculativeConfig)  # its validation needs a model to draft with

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.cli import app
+from kvpool.ops.cli import app
 from kvpool.testing.server import openai_server
 
 from .conftest import random_prompts

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.backends.base import Backend
-from kvpool.errors import ConfigError
-
-BACKEND_NAMES = ("memory", "mooncake")
+from kvpool.core.config import BACKEND_NAMES
+from kvpool.core.errors import ConfigError
 
 
 def create_backend(name: str, options: dict[str, Any] | None = None) -> Backend:

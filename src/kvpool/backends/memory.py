@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.backends.base import BackendStats, Rows, Status, Values
-from kvpool.buffers import as_u8
-from kvpool.errors import ConfigError
+from kvpool.core.buffers import as_u8
+from kvpool.core.errors import ConfigError
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
 

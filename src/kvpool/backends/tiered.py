@@ -37,7 +37,7 @@ import numpy as np
 from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.backends.disk import DiskStats, DiskTier
 from kvpool.backends.memory import MemoryBackend, _pieces, _writer
-from kvpool.errors import ConfigError
+from kvpool.core.errors import ConfigError
 
 log = logging.getLogger("kvpool.tiered")
 

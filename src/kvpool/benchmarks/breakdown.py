@@ -20,18 +20,14 @@ of the per-round mean over requests (per step: over the phase's steps). The mach
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import random
 import statistics
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.benchmarks import breakdown_engines as engines
 from kvpool.benchmarks.breakdown_probe import SAVE_HOOKS, Probe, Record, drive
 
 # (row name, system, kvpool's lookup_wait_ms or None, Python's GIL switch interval in ms or None: unchanged)
@@ -47,7 +43,6 @@ GIL_ROWS: tuple[Row, ...] = (
     ("kvpool-mooncake wait=5ms gil=0.5ms", "kvpool-mooncake", 5.0, 0.5),
     ("vllm-mooncake gil=0.5ms", "vllm-mooncake", None, 0.5),
 )
-SEGMENT_BYTES = 512 << 20
 KVPOOL_COUNTERS = ("lookups", "lookup_waits", "loads", "load_tokens", "loads_finished", "load_wait_steps")
 TINY_ARGS: dict[str, Any] = {
     "rounds": 1,
@@ -107,8 +102,8 @@ def run(
         order = rows[index % len(rows) :] + rows[: index % len(rows)]
         for name, system, wait_ms, switch_ms in order:
             default_switch = sys.getswitchinterval()
-            with _pool() as (master, _pids), _connector(system, master, wait_ms) as config:
-                _fill(model, config, workload, settings)
+            with engines.pool() as (master, _pids), engines.connector(system, master, wait_ms) as config:
+                engines.fill(model, config, workload, settings)
                 try:
                     if switch_ms is not None:
                         sys.setswitchinterval(switch_ms / 1000)
@@ -159,126 +154,13 @@ def _quiet_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def _pool() -> contextlib.AbstractContextManager[Any]:
-    """A fresh master and one segment holder: no system sees another's (or an earlier round's) chunks."""
-    from kvpool.benchmarks.serve_systems import mooncake_pool
-
-    return mooncake_pool(SEGMENT_BYTES)
-
-
-@contextlib.contextmanager
-def _connector(system: str, master: Any, wait_ms: float | None) -> Iterator[dict[str, Any]]:
-    """The kv_transfer_config of `system` on the master (as `kvpool bench serve` lays them out); vLLM's
-    store config file set for the duration."""
-    from kvpool.mooncake_master import free_port
-
-    if system == "kvpool-mooncake":
-        options = {**master.backend_options(), "global_segment_size": 0}
-        extra: dict[str, Any] = {"backend": "mooncake", "mooncake": options}
-        if wait_ms is not None:
-            extra["lookup_wait_ms"] = wait_ms
-        yield {
-            "kv_connector": "KVPoolConnector",
-            "kv_connector_module_path": "kvpool.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
-        return
-    from kvpool.benchmarks.vllm_store_reference import store_config
-
-    previous = os.environ.get("MOONCAKE_CONFIG_PATH")
-    with tempfile.TemporaryDirectory(prefix="kvpool-breakdown-") as folder:
-        path = os.path.join(folder, "mooncake.json")
-        with open(path, "w") as sink:
-            json.dump(store_config(master.address, "standalone-store", 0, 64 << 20), sink)
-        os.environ["MOONCAKE_CONFIG_PATH"] = path
-        try:
-            yield {
-                "kv_connector": "MooncakeStoreConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"lookup_rpc_port": free_port()},
-            }
-        finally:
-            if previous is None:
-                os.environ.pop("MOONCAKE_CONFIG_PATH", None)
-            else:
-                os.environ["MOONCAKE_CONFIG_PATH"] = previous
-
-
-@contextlib.contextmanager
-def _engine(model: str, config: dict[str, Any], settings: dict[str, Any]) -> Iterator[Any]:
-    """An in-process engine; vLLM's connector's lookup thread is stopped before the engine goes (it
-    has no stop of its own, and a second engine in the process would otherwise hang)."""
-    from kvpool.testing.engine import engine
-
-    fresh = {**config, "kv_connector_extra_config": dict(config["kv_connector_extra_config"])}
-    if "lookup_rpc_port" in fresh["kv_connector_extra_config"]:
-        from kvpool.mooncake_master import free_port
-
-        fresh["kv_connector_extra_config"]["lookup_rpc_port"] = free_port()
-    with engine(model, kv_transfer_config=fresh, **settings) as llm:
-        try:
-            yield llm
-        finally:
-            _drain(llm)
-            _stop_vllm_lookup(llm)
-
-
-def _drain(llm: Any, timeout_s: float = 60.0) -> None:
-    """Every save of the engine reached the pool (bounded)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from kvpool.integrations.vllm import local_worker
-
-    worker = get_kv_transfer_group()
-    deadline = time.monotonic() + timeout_s
-    core = getattr(worker, "connector_worker", None)
-    if core is None:
-        kvpool_worker = local_worker()
-        if kvpool_worker is not None:
-            kvpool_worker.drain(timeout_s)
-    else:
-        thread = core.kv_send_thread
-        while thread is not None and thread.request_queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-    for _ in range(3):  # deliver finished saves (delayed frees) to the scheduler
-        llm.llm_engine.step()
-
-
-def _stop_vllm_lookup(llm: Any) -> None:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = getattr(get_kv_transfer_group(), "connector_worker", None)
-    server = getattr(worker, "lookup_server", None)
-    if server is None:
-        return
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
-    client = scheduler.client
-    server.running = False
-    if server.thread.is_alive():
-        client.socket.send(b"kvpool-bench-stop")  # its answer to an unknown message ends the loop
-        if client.socket.poll(5000):
-            client.socket.recv()
-    server.thread.join(5.0)
-    if not server.thread.is_alive():
-        server.close()
-    client.close()
-
-
-def _fill(model: str, config: dict[str, Any], workload: Workload, settings: dict[str, Any]) -> None:
-    from kvpool.testing.engine import generate_greedy
-
-    with _engine(model, config, settings) as llm:
-        generate_greedy(llm, workload.sources, 2, logprobs=0)
-
-
 def _measure(model: str, config: dict[str, Any], workload: Workload, settings: dict[str, Any],
              concurrencies: tuple[int, ...], max_tokens: int, system: str) -> dict[str, Any]:  # fmt: skip
     from kvpool.integrations.vllm import local_scheduler
 
     cells: list[dict[str, Any]] = []
     outputs: dict[str, Any] = {}
-    with _engine(model, config, settings) as llm:
+    with engines.engine(model, config, settings) as llm:
         probe = Probe(llm)
         try:
             per = len(workload.hit) // len(concurrencies)

@@ -35,7 +35,7 @@ def py_spy() -> str | None:
 def connector_file(path: str) -> bool:
     """kvpool's own code (not its benches or test helpers), or vLLM's Mooncake store connector."""
     if "/kvpool/" in path:
-        return not any(part in path for part in ("/kvpool/benchmarks/", "/kvpool/testing/", "/kvpool/cli.py"))
+        return not any(part in path for part in ("/kvpool/benchmarks/", "/kvpool/testing/", "/kvpool/ops/cli.py"))
     return "/mooncake/store/" in path and "/vllm/" in path
 
 
@@ -93,7 +93,7 @@ def reduce(raw: str, rate_hz: int = RATE_HZ, top: int = TOP) -> dict[str, Any]:
 def profile_hits(model: str, name: str, system: str, wait_ms: float | None, workload: Any, settings: dict[str, Any],
                  concurrencies: tuple[int, ...], max_tokens: int) -> dict[str, Any]:  # fmt: skip
     """Fill a fresh pool, then profile a fresh engine on the hit prompts (every concurrency)."""
-    from kvpool.benchmarks.breakdown import _connector, _engine, _fill, _pool
+    from kvpool.benchmarks.breakdown_engines import connector, engine, fill, pool
     from kvpool.benchmarks.breakdown_probe import Probe, drive
 
     binary = py_spy()
@@ -101,9 +101,9 @@ def profile_hits(model: str, name: str, system: str, wait_ms: float | None, work
         return {"error": "py-spy not installed (pip install py-spy)"}
     with tempfile.TemporaryDirectory(prefix="kvpool-breakdown-spy-") as folder:
         out = os.path.join(folder, "stacks.txt")
-        with _pool() as (master, _pids), _connector(system, master, wait_ms) as config:
-            _fill(model, config, workload, settings)
-            with _engine(model, config, settings) as llm:
+        with pool() as (master, _pids), connector(system, master, wait_ms) as config:
+            fill(model, config, workload, settings)
+            with engine(model, config, settings) as llm:
                 probe = Probe(llm)  # the same wrappers as the timed runs
                 command = [binary, "record", "--pid", str(os.getpid()), "--nonblocking", "--function"]
                 command += ["--full-filenames", "-r", str(RATE_HZ), "-f", "raw", "-o", out]

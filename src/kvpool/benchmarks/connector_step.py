@@ -218,7 +218,7 @@ def _backend(name: str, base_config: Any) -> Iterator[tuple[Any, Any]]:
         extra = {"pool_name": f"bench-{uuid.uuid4().hex[:8]}", "capacity_bytes": "2GiB", "save_decode": True}
         yield configure({**kvpool, "kv_role": "kv_both", "kv_connector_extra_config": extra}), _KVPoolPair
         return
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvpool.benchmarks.device_plan import BandwidthRow, EngineThreadPlan, OverlapPlan, Plan, RoundTripPlan
 from kvpool.benchmarks.device_rig import Rig, SyncCounter
-from kvpool.integrity import Integrity
+from kvpool.core.config import Integrity
 
 BANDWIDTH_TARGET = 0.8
 OVERLAP_TARGET = 1.03

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpool.cuda_runtime import pinned_bytes
-from kvpool.device_copy import DEVICE_BUFFER_BYTES, LOAD_SHARE
+from kvpool.worker.cuda_runtime import pinned_bytes
+from kvpool.worker.device_copy import DEVICE_BUFFER_BYTES, LOAD_SHARE
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -15,15 +15,15 @@ from typing import Any
 from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
 from kvpool.benchmarks.device_plan import Shape
-from kvpool.cuda_runtime import InlineRuntime, Runtime
-from kvpool.device_copy import DEVICE_BUFFER_BYTES
-from kvpool.integrity import Integrity
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.layout import DEFAULT_STAGING_BYTES, KVLayout
-from kvpool.masks import FullAttention, MaskCoordinator
-from kvpool.metadata import LoadSpec, RequestDelta
-from kvpool.plan import GroupPlacement
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.config import Integrity
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.masks import FullAttention, MaskCoordinator
+from kvpool.core.metadata import LoadSpec, RequestDelta
+from kvpool.core.plan import GroupPlacement
+from kvpool.worker.cuda_runtime import InlineRuntime, Runtime
+from kvpool.worker.device_copy import DEVICE_BUFFER_BYTES
+from kvpool.worker.layout import DEFAULT_STAGING_BYTES, KVLayout
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 
 def staged_layout(

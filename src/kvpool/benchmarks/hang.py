@@ -52,7 +52,7 @@ def run(
     model_kind: str = "llama-demo",
     block_size: int = 64,
 ) -> dict[str, Any]:
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
     from kvpool.testing.engine import engine
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")

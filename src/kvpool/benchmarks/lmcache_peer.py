@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.mooncake_master import free_port, port_open
+from kvpool.backends.mooncake.master import free_port, port_open
 from kvpool.testing.server import stop_process_group
 
 __all__ = [

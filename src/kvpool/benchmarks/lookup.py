@@ -24,10 +24,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvpool.index import PoolIndex, PoolReport
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.masks import FullAttention, MaskCoordinator
-from kvpool.scheduler import SchedulerCore
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.masks import FullAttention, MaskCoordinator
+from kvpool.core.pool_reports import PoolReport
+from kvpool.scheduler.index import PoolIndex
+from kvpool.scheduler.scheduler_core import SchedulerCore
 
 TARGET_TOKENS = 32768
 TARGET_P99_US = 50.0
@@ -44,7 +45,7 @@ def run(
     master = backend = None
     if mooncake:
         from kvpool.backends.mooncake import MooncakeBackend
-        from kvpool.mooncake_master import start_master
+        from kvpool.backends.mooncake.master import start_master
 
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -39,11 +39,12 @@ import numpy as np
 from kvpool.benchmarks.report import figure, markdown_table, verdict
 from kvpool.benchmarks.scale_pool import POLICIES, capacity_row
 from kvpool.benchmarks.store_path import _Cell, _IncrementalRun
-from kvpool.index import PoolIndex, PoolReport
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.masks import FullAttention, MaskCoordinator
-from kvpool.scheduler import SchedulerCore
-from kvpool.worker import WorkerConfig
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.masks import FullAttention, MaskCoordinator
+from kvpool.core.pool_reports import PoolReport
+from kvpool.scheduler.index import PoolIndex
+from kvpool.scheduler.scheduler_core import SchedulerCore
+from kvpool.worker.worker_core import WorkerConfig
 
 TARGET_PER_REQUEST_MAX = 1.5  # per-request cost, largest concurrency vs smallest
 TARGET_HIT_MIN = 1.0  # chain-aware token hit rate vs plain LRU's

@@ -58,7 +58,7 @@ __all__ = ["ALL_ARGS", "LONG_ARGS", "TINY_ARGS", "Workload", "plot", "print_tabl
 
 DATASETS = ("reuse", "random")
 POOL_HITS = "vllm:external_prefix_cache_hits_total"  # prompt tokens a connector supplied
-KVPOOL_METRICS = "vllm:kvpool_"  # kvpool's own counters and gauges (kvpool.integrations.vllm_metrics.PREFIX)
+KVPOOL_METRICS = "vllm:kvpool_"  # kvpool's own counters and gauges (kvpool.integrations.vllm.metrics.PREFIX)
 START_TIMEOUT_S = 300.0
 MIN_POOL_BYTES = 16 << 20  # a smaller Mooncake segment fails its setup
 UNSUPPORTED_TIMEOUT_S = 120.0

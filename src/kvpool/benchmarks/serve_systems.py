@@ -103,7 +103,7 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
         with start_shared(name, capacity_bytes, servers=1) as (setup,):
             yield setup
     elif name == "vllm-mooncake-embedded":
-        from kvpool.mooncake_master import start_master
+        from kvpool.backends.mooncake.master import start_master
 
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         with start_master() as master, _vllm_mooncake_config(master.address, "embedded", capacity_bytes) as path:
@@ -171,7 +171,7 @@ def _mooncake_env() -> dict[str, str]:
 
 
 def _free_port() -> int:
-    from kvpool.mooncake_master import free_port
+    from kvpool.backends.mooncake.master import free_port
 
     return free_port()
 
@@ -179,8 +179,8 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def mooncake_pool(capacity_bytes: int) -> Iterator[tuple[Any, list[int]]]:
     """A master on 127.0.0.1 and one segment holder giving the pool `capacity_bytes`; with their pids."""
-    from kvpool.mooncake_master import start_master
-    from kvpool.segment_holder import SegmentHolder
+    from kvpool.backends.mooncake.master import start_master
+    from kvpool.backends.mooncake.segment_holder import SegmentHolder
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     master = start_master()

@@ -167,9 +167,9 @@ class _Pair:
 
 def _master_counts(admin: str) -> tuple[int, int]:
     """The master's keys now, and the keys it has evicted."""
-    from kvpool.inspection import _samples, fetch
+    from kvpool.testing.server import scrape
 
-    samples = _samples(fetch(f"{admin}/metrics"), ("master_key_count", "master_evicted_key_count"))
+    samples = scrape(f"{admin}/metrics")
     return int(samples.get("master_key_count", 0)), int(samples.get("master_evicted_key_count", 0))
 
 

@@ -52,8 +52,8 @@ from kvpool.benchmarks.store_path_report import (
     summarize,
     to_markdown,
 )
-from kvpool.chunks import process_tokens
-from kvpool.keys import chunk_hashes
+from kvpool.core.chunks import process_tokens
+from kvpool.core.keys import chunk_hashes
 
 __all__ = [
     "ALL_ARGS",
@@ -163,7 +163,7 @@ def _mooncake(modes: Sequence[str]) -> Iterator[Any]:
     if not set(modes) & set(MOONCAKE_MODES):
         yield None
         return
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool.keys import KeySpace, LayoutFingerprint
-from kvpool.layout import KVLayout
-from kvpool.masks import AttentionKind, FullAttention, MaskCoordinator, SlidingWindow
-from kvpool.plan import GroupPlacement
+from kvpool.core.keys import KeySpace, LayoutFingerprint
+from kvpool.core.masks import AttentionKind, FullAttention, MaskCoordinator, SlidingWindow
+from kvpool.core.plan import GroupPlacement
+from kvpool.worker.layout import KVLayout
 
 LAYERS = 2
 LAYER_BLOCK_BYTES = 256  # small blocks: the figures are the store path's CPU, not memcpy

@@ -10,9 +10,9 @@ import time
 from kvpool.backends.base import Backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.benchmarks.store_path_cells import _Cell, _Step
-from kvpool.metadata import RequestDelta, StepMetadata
-from kvpool.scheduler import SchedulerConfig, SchedulerCore
-from kvpool.worker import WorkerConfig, WorkerCore
+from kvpool.core.metadata import RequestDelta, StepMetadata
+from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
+from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 DRAIN_TIMEOUT_S = 120.0
 
@@ -159,8 +159,8 @@ def _measure_incremental(
     cells, as by an engine's requests), with the adapter's settings for a remote pool."""
     config = None
     if backend is not None:
-        from kvpool.config import KVPoolConfig
-        from kvpool.roles import worker_config
+        from kvpool.connector.roles import worker_config
+        from kvpool.core.config import KVPoolConfig
 
         config = worker_config(KVPoolConfig(backend="mooncake"))
     runs: dict[int, _IncrementalRun] = {}

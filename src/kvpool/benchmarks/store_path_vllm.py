@@ -50,7 +50,7 @@ import torch
 from kvpool.benchmarks import vllm_store_reference as reference
 
 if TYPE_CHECKING:
-    from kvpool.benchmarks.store_path import _Cell, _Pool
+    from kvpool.benchmarks.store_path_cells import _Cell, _Pool
 
 DRAIN_TIMEOUT_S = 120.0
 HEAD_SIZE = 4  # the specs' nominal shape; vLLM's store layout reads the tensors' own strides
@@ -145,7 +145,7 @@ def _kv_caches(pool: _Pool) -> dict[str, torch.Tensor]:
 def _kv_cache_config(pool: _Pool) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 
-    from kvpool.masks import SlidingWindow
+    from kvpool.core.masks import SlidingWindow
 
     names = list(_layer_names(pool))
     per_group = len(names) // len(pool.kinds)

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvpool.backends.base import Backend, Rows, Status
+from kvpool.backends.mooncake.segment_holder import SegmentHolder
 from kvpool.benchmarks.transfer_report import (
     MEMORY_TARGET,
     MOONCAKE_TARGET,
@@ -58,8 +59,8 @@ from kvpool.benchmarks.transfer_report import (
     print_table,
     summarize,
 )
-from kvpool.integrity import SEAL_BYTES, Integrity, Sealer
-from kvpool.segment_holder import SegmentHolder
+from kvpool.core.config import Integrity
+from kvpool.worker.integrity import SEAL_BYTES, Sealer
 
 __all__ = ["MEMORY_TARGET", "MOONCAKE_TARGET", "SEAL_COST_TARGET", "check_arguments", "print_table", "run"]
 
@@ -462,7 +463,7 @@ def run(
 
 def _run_mooncake(plan: _Plan, placements: Sequence[str], segment_bytes: int) -> list[dict[str, Any]]:
     from kvpool.backends.mooncake import MooncakeBackend
-    from kvpool.mooncake_master import start_master
+    from kvpool.backends.mooncake.master import start_master
 
     unknown = sorted(set(placements) - set(PLACEMENTS))
     if unknown or not placements:

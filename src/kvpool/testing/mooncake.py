@@ -8,8 +8,8 @@ def mooncake_or_skip() -> None:
     import pytest
 
     from kvpool.backends.mooncake import load_store_module
-    from kvpool.errors import BackendUnavailableError
-    from kvpool.mooncake_master import find_master_binary
+    from kvpool.backends.mooncake.master import find_master_binary
+    from kvpool.core.errors import BackendUnavailableError
 
     try:
         load_store_module()

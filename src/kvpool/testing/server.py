@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.mooncake_master import free_port
+from kvpool.backends.mooncake.master import free_port
 
 # vLLM's CPU build binds the model's threads to every core but those it reserves for the engine's
 # other processes: one without a KV connector, one more with any connector; a machine with no more
@@ -67,17 +67,7 @@ class OpenAIServer:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples summed over their labels: name -> value."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=REQUEST_TIMEOUT_S) as response:
-            text = response.read().decode()
-        samples: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            name = name_labels.split("{", 1)[0]
-            with contextlib.suppress(ValueError):
-                samples[name] = samples.get(name, 0.0) + float(value)
-        return samples
+        return scrape(self.url + "/metrics")
 
     def log_tail(self, max_bytes: int = 6000) -> str:
         try:
@@ -118,6 +108,22 @@ class OpenAIServer:
                     return
             time.sleep(0.5)
         raise TimeoutError(f"the server was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+
+def scrape(url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, float]:
+    """The Prometheus samples at `url` (a server's or a Mooncake master's /metrics), summed over their
+    labels: name -> value."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        with contextlib.suppress(ValueError):
+            samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
 
 
 def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:

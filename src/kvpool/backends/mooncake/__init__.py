@@ -10,17 +10,20 @@ Three measured facts of Mooncake 0.3.13 shape this package:
 - Mooncake charges ~25 µs per buffer piece over TCP, so values made of many small pieces are staged into
   one registered contiguous buffer and moved as one piece per key.
 
-One concept per module: errors.py (return codes → Status), options.py (settings, the native module),
-batch.py (routes and staging), breaker.py (the gate), local_keys.py (which keys live in this client's
-segment), backend.py (`MooncakeBackend`, tying them together). This file only re-exports: the names
-below are the package's public surface, importable as `kvpool.backends.mooncake.X`.
+One concept per module: errors.py (return codes → Status), native.py (the native module; the
+settings are `kvpool.core.mooncake_options`), batch.py (routes and staging), breaker.py (the gate),
+local_keys.py (which keys live in this client's segment), backend.py (`MooncakeBackend`, tying them
+together), and the pool's own processes: master.py (a `mooncake_master`'s one lifecycle) and
+segment_holder.py (a process that only lends memory to the pool). This file only re-exports: the
+names below are the package's public surface, importable as `kvpool.backends.mooncake.X`.
 """
 
 from kvpool.backends.mooncake.backend import CLOSE_DRAIN_TIMEOUT_S, MASTER_PROBE_TIMEOUT_S, PROBE_KEY, MooncakeBackend
 from kvpool.backends.mooncake.batch import FANCY_GATHER_BYTES, SMALL_PIECE_BYTES
 from kvpool.backends.mooncake.breaker import PROBE_DEADLINE_S, STALL_GRACE_S, STALL_MIN_BYTES_PER_S
 from kvpool.backends.mooncake.errors import MooncakeErrorCode, status_of
-from kvpool.backends.mooncake.options import MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, MooncakeOptions, load_store_module
+from kvpool.backends.mooncake.native import load_store_module
+from kvpool.core.mooncake_options import MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, MooncakeOptions
 
 __all__ = [
     "CLOSE_DRAIN_TIMEOUT_S",

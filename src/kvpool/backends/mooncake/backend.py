@@ -22,10 +22,11 @@ from kvpool.backends.mooncake.batch import _Batch, _duplicates, _pack, _Route, _
 from kvpool.backends.mooncake.breaker import _Gate, _State
 from kvpool.backends.mooncake.errors import MooncakeErrorCode, _rpc_failure, status_of
 from kvpool.backends.mooncake.local_keys import _LocalKeys
-from kvpool.backends.mooncake.options import MooncakeOptions, _is_ip_literal, _master_endpoint, load_store_module
-from kvpool.buffers import as_u8
-from kvpool.errors import BackendUnavailableError
-from kvpool.mooncake_master import port_open
+from kvpool.backends.mooncake.master import port_open
+from kvpool.backends.mooncake.native import _is_ip_literal, load_store_module
+from kvpool.core.buffers import as_u8
+from kvpool.core.errors import BackendUnavailableError
+from kvpool.core.mooncake_options import MooncakeOptions, master_endpoint
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -42,7 +43,7 @@ class MooncakeBackend:
 
     def __init__(self, options: MooncakeOptions | None = None) -> None:
         self.options = options or MooncakeOptions()
-        self._master_host, self._master_port = _master_endpoint(self.options.master)
+        self._master_host, self._master_port = master_endpoint(self.options.master)
         self._gate = _Gate(self.options.breaker_cooldown_s, self._master_reachable)
         self._stats = BackendStats(name=self.name, capacity_bytes=self.options.global_segment_size)
         self._stats_lock = threading.Lock()

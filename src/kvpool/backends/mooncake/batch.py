@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvpool.backends.base import Rows, Value, Values
-from kvpool.buffers import as_u8
+from kvpool.core.buffers import as_u8
 
 _T = TypeVar("_T")
 

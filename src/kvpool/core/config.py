@@ -1,0 +1,179 @@
+"""kvpool settings, read from vLLM's `kv_connector_extra_config` and validated at start-up."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvpool.core.errors import ConfigError
+from kvpool.core.mooncake_options import MooncakeOptions
+from kvpool.core.sizes import parse_size
+
+__all__ = ["BACKEND_NAMES", "ConfigError", "Integrity", "KVPoolConfig", "parse_size"]
+
+BACKEND_NAMES = ("memory", "mooncake")
+DEFAULT_LOOKUP_TIMEOUT_S = 0.1  # a healthy pool answers a 32k-token lookup in 1-2 ms (Mooncake, loopback)
+DEFAULT_LOOKUP_WAIT_MS = 5.0  # how long a lookup may wait for the pool's answer in the engine's call
+
+
+class Integrity(str, enum.Enum):
+    """What a chunk's seal covers: nothing, sampled lines of every page, or every byte (worker/integrity.py)."""
+
+    OFF = "off"
+    SAMPLED = "sampled"
+    FULL = "full"
+
+
+@dataclass
+class KVPoolConfig:
+    """Every key of `kv_connector_extra_config` kvpool understands (see README for the table)."""
+
+    backend: str = "memory"
+    pool_name: str = "default"
+    capacity_bytes: int = 4 << 30
+    mooncake: dict[str, Any] = field(default_factory=dict)
+    save_decode: bool = False
+    retention_interval: int | str | None = "engine"  # "engine": the engine's own; None: every boundary
+    tenant: str = ""
+    model_id: str = ""
+    lookup_async: bool | None = None  # None: async when lookups leave the process
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
+    check_exists_before_put: bool | None = None  # None: for the embedded pool only (see exists_before_put)
+    put_batch_chunks: int = 64
+    save_buffer_bytes: int = 1 << 30
+    save_linger_steps: int = 8
+    save_linger_ms: float = 20.0
+    integrity: str = "off"  # "sampled" or "full": store a seal with each chunk and check it on load (integrity.py)
+    load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
+    disk_path: str | None = None  # the embedded pool's disk tier: one directory per rank under it (backends/disk.py)
+    disk_capacity_bytes: int | str | None = None  # required with disk_path: bytes of files per rank
+    disk_read_timeout_ms: float = 2000.0  # a disk read not done by then is a failed load (recomputed)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> KVPoolConfig:
+        raw = dict(raw or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - allowed)
+        if unknown:
+            raise ConfigError(unknown[0], raw[unknown[0]], f"one of the keys {', '.join(sorted(allowed))}")
+        config = cls()
+        for key, value in raw.items():
+            setattr(config, key, value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.backend not in BACKEND_NAMES:
+            raise ConfigError("backend", self.backend, f"one of {', '.join(BACKEND_NAMES)}")
+        if not isinstance(self.pool_name, str) or not self.pool_name:
+            raise ConfigError("pool_name", self.pool_name, "a non-empty string")
+        self.capacity_bytes = parse_size("capacity_bytes", self.capacity_bytes)
+        if not isinstance(self.mooncake, dict):
+            raise ConfigError("mooncake", self.mooncake, "an object of Mooncake settings")
+        if self.backend == "mooncake":
+            MooncakeOptions.parse(self.mooncake)
+        if not isinstance(self.save_decode, bool):
+            raise ConfigError("save_decode", self.save_decode, "true or false")
+        for key in ("lookup_async", "check_exists_before_put"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "true, false or null (automatic)")
+        if (
+            isinstance(self.save_linger_steps, bool)
+            or not isinstance(self.save_linger_steps, int)
+            or not (0 <= self.save_linger_steps <= 1024)
+        ):
+            raise ConfigError("save_linger_steps", self.save_linger_steps, "an integer from 0 to 1024")
+        if (
+            isinstance(self.save_linger_ms, bool)
+            or not isinstance(self.save_linger_ms, (int, float))
+            or not (0 <= self.save_linger_ms <= 1000)
+        ):
+            raise ConfigError("save_linger_ms", self.save_linger_ms, "a number of milliseconds from 0 to 1000")
+        if self.retention_interval not in (None, "engine") and (
+            isinstance(self.retention_interval, bool)
+            or not isinstance(self.retention_interval, int)
+            or self.retention_interval < 0
+        ):
+            raise ConfigError(
+                "retention_interval", self.retention_interval, '"engine", null, 0, or a positive token count'
+            )
+        for key in ("tenant", "model_id"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(key, getattr(self, key), "a string")
+        if (
+            isinstance(self.lookup_timeout_s, bool)
+            or not isinstance(self.lookup_timeout_s, (int, float))
+            or self.lookup_timeout_s <= 0
+        ):
+            raise ConfigError("lookup_timeout_s", self.lookup_timeout_s, "a positive number of seconds")
+        if (
+            isinstance(self.lookup_wait_ms, bool)
+            or not isinstance(self.lookup_wait_ms, (int, float))
+            or not 0 <= self.lookup_wait_ms <= self.lookup_timeout_s * 1000
+        ):
+            raise ConfigError(
+                "lookup_wait_ms", self.lookup_wait_ms, "milliseconds from 0 up to lookup_timeout_s (0: never wait)"
+            )
+        self.save_buffer_bytes = parse_size("save_buffer_bytes", self.save_buffer_bytes)
+        if (
+            isinstance(self.put_batch_chunks, bool)
+            or not isinstance(self.put_batch_chunks, int)
+            or not (1 <= self.put_batch_chunks <= 65536)
+        ):
+            raise ConfigError("put_batch_chunks", self.put_batch_chunks, "an integer from 1 to 65536")
+        modes = [mode.value for mode in Integrity]
+        if self.integrity not in modes:
+            raise ConfigError("integrity", self.integrity, " or ".join(modes))
+        if self.load_failure_policy not in ("recompute", "engine"):
+            raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
+        self._validate_disk()
+
+    def _validate_disk(self) -> None:
+        if self.disk_path is None:
+            if self.disk_capacity_bytes is not None:
+                raise ConfigError("disk_capacity_bytes", self.disk_capacity_bytes, "unset unless disk_path is set")
+            return
+        if self.backend != "memory":
+            raise ConfigError(
+                "disk_path", self.disk_path, "unset with the mooncake backend (a tier of the embedded pool)"
+            )
+        if not isinstance(self.disk_path, str) or not self.disk_path:
+            raise ConfigError("disk_path", self.disk_path, "a directory path")
+        if self.disk_capacity_bytes is None:
+            raise ConfigError("disk_capacity_bytes", None, "a size (e.g. 64GiB) when disk_path is set")
+        self.disk_capacity_bytes = parse_size("disk_capacity_bytes", self.disk_capacity_bytes)
+        if (
+            isinstance(self.disk_read_timeout_ms, bool)
+            or not isinstance(self.disk_read_timeout_ms, (int, float))
+            or not 0 < self.disk_read_timeout_ms <= 60_000
+        ):
+            raise ConfigError("disk_read_timeout_ms", self.disk_read_timeout_ms, "milliseconds above 0, at most 60000")
+
+    def exists_before_put(self) -> bool:
+        """Whether saves ask the pool which chunks it holds before putting them. Automatic: yes for the
+        embedded pool (a dict probe that spares a copy); no for Mooncake, where the put of a key the
+        pool holds is a no-op, the check is a master round trip that chunks this rank has just computed
+        almost never pass, and each key it finds is leased (pinned) for the lease TTL."""
+        if self.check_exists_before_put is None:
+            return self.backend == "memory"
+        return self.check_exists_before_put
+
+    def backend_options(self, rank: int = 0) -> dict[str, Any]:
+        """The backend's own settings; `rank`: whose directory of the disk tier (each rank has its own)."""
+        if self.backend == "memory":
+            options: dict[str, Any] = {"name": self.pool_name, "capacity_bytes": self.capacity_bytes}
+            if self.disk_path is not None:
+                options.update(
+                    disk_dir=self.disk_dir(rank),
+                    disk_capacity_bytes=self.disk_capacity_bytes,
+                    read_timeout_s=self.disk_read_timeout_ms / 1000,
+                )
+            return options
+        return dict(self.mooncake)
+
+    def disk_dir(self, rank: int) -> str:
+        assert self.disk_path is not None
+        return os.path.join(self.disk_path, f"rank{rank}")

@@ -1,0 +1,250 @@
+"""What the engine's embedded pools hold, known by the scheduler: lookups without leaving its thread.
+
+Each worker rank owns an embedded pool in its own process. A `PoolTracker` on the worker
+(`kvpool.worker.pool_tracker`) follows
+what its pool holds in the rank's namespaces (chunks its saves stored; chunks the pool evicted,
+removed or cleared) and hands the scheduler one `PoolReport` per engine step through vLLM's
+worker -> scheduler metadata. The scheduler's `PoolIndex` counts, per namespace and chunk, the
+ranks holding it; a chunk counts as present once every rank that loads from its namespace holds it
+(the TP ranks of one shard each keep a copy in their own pool). A lookup is then a few dict reads on
+the scheduler's thread: no socket, no thread hop, no GIL shared with a worker.
+
+The index lags the pools by the steps in flight, so a load can still race an eviction; it then
+fails and is recomputed, as any load does. Reports carry the pool's reset epoch: those from before
+a reset are ignored.
+
+The same transitions are the pool's KV events: a chunk is announced once every rank that must hold
+it does, in every namespace of its group, and withdrawn when any of them drops it.
+
+Chains. A chunk hash names its whole prefix, so each chunk has one parent (the chunk before it; b""
+for a first chunk), and the workers report it with each save. Per namespace the index keeps the set
+of *chained* chunks: present, with every ancestor present too. Invariant: a chunk is chained iff it
+is present and its parent is b"" or chained. Along any prompt, chained chunks are therefore a prefix,
+so a full-attention lookup binary-searches them (11 probes for 2048 chunks) and scans on from there
+only through chunks whose chain is not known (a pool that held them before this index existed). The
+chained set only has to be sound, never complete: the scan finds the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from itertools import islice
+
+from kvpool.core.keys import KeySpace
+from kvpool.core.pool_reports import PoolEvent, PoolReport
+
+
+class _Chains:
+    """One namespace's chains: parent links of the chunks some rank holds, and the chained set."""
+
+    __slots__ = ("chained", "children", "parent")
+
+    def __init__(self) -> None:
+        self.parent: dict[bytes, bytes] = {}
+        self.children: dict[bytes, list[bytes]] = {}
+        self.chained: set[bytes] = set()
+
+    def link(self, chunk_hash: bytes, parent: bytes) -> bool:
+        """Learn a chunk's parent; True when it was not known."""
+        if chunk_hash in self.parent:
+            return False
+        self.parent[chunk_hash] = parent
+        self.children.setdefault(parent, []).append(chunk_hash)
+        return True
+
+    def unlink(self, chunk_hash: bytes) -> None:
+        """No rank holds the chunk any more: forget its link (its children keep theirs to it)."""
+        parent = self.parent.pop(chunk_hash, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            siblings.remove(chunk_hash)
+            if not siblings:
+                del self.children[parent]
+
+    def extend(self, chunk_hash: bytes, present: Callable[[bytes], bool]) -> None:
+        """The chunk became present or learned its parent: chain it, and the present descendants it
+        was the missing link of."""
+        stack = [chunk_hash]
+        chained, parent_of, children = self.chained, self.parent, self.children
+        while stack:
+            h = stack.pop()
+            if h in chained or not present(h):
+                continue
+            parent = parent_of.get(h)
+            if parent is None or (parent and parent not in chained):
+                continue
+            chained.add(h)
+            stack.extend(children.get(h, ()))
+
+    def cut(self, chunk_hash: bytes) -> None:
+        """The chunk stopped being present: it and every chained descendant stop being chained."""
+        stack = [chunk_hash]
+        chained, children = self.chained, self.children
+        while stack:
+            h = stack.pop()
+            if h in chained:
+                chained.discard(h)
+                stack.extend(children.get(h, ()))
+
+    def clear(self) -> None:
+        self.parent.clear()
+        self.children.clear()
+        self.chained.clear()
+
+
+class PoolIndex:
+    """Scheduler side: per namespace and chunk, how many ranks hold it; present once all that need it do.
+
+    `namespaces[g]` lists the key spaces a chunk of group g must be present in (every TP shard and
+    PP stage); `ranks_per_namespace` says how many ranks load from (so must hold) each of them."""
+
+    def __init__(self, namespaces: Sequence[Sequence[KeySpace]], ranks_per_namespace: int = 1) -> None:
+        self.group_prefixes = [[space.prefix for space in spaces] for spaces in namespaces]
+        self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
+        self.needed = ranks_per_namespace
+        self._counts: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}
+        self._chains: dict[str, _Chains] = {prefix: _Chains() for prefix in self._group_of}
+        self.epoch = 0
+        self.track_events = False
+        self._events: list[PoolEvent] = []
+        self._assumed: dict[int, dict[str, set[bytes]]] = {}  # rank -> what `assume` counted for it
+
+    def present(self, group: int, chunk_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each chunk of the group is held by every rank that loads it, in every namespace."""
+        needed = self.needed
+        counts = [self._counts[prefix] for prefix in self.group_prefixes[group]]
+        if len(counts) == 1:
+            (held,) = counts
+            return [held.get(h, 0) >= needed for h in chunk_hashes]
+        return [all(held.get(h, 0) >= needed for held in counts) for h in chunk_hashes]
+
+    def leading(self, group: int, chunk_hashes: Sequence[bytes]) -> int:
+        """How many chunks from the first on are present (full attention's whole question): a binary
+        search of the chained chunks, then a scan in C from there while chunks are present (chunks whose
+        chain is not known); Python only from the first miss."""
+        needed = self.needed
+        run = len(chunk_hashes)
+        for prefix in self.group_prefixes[group]:
+            chained = self._chains[prefix].chained
+            lo, hi = 0, run
+            while lo < hi:  # the first chunk that is not chained; chained chunks are a prefix of any prompt
+                mid = (lo + hi) // 2
+                if chunk_hashes[mid] in chained:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            present = _holder(self._counts[prefix], needed)
+            if not all(map(present, islice(chunk_hashes, lo, run))):
+                run = next(i for i, h in enumerate(islice(chunk_hashes, lo, run), lo) if not present(h))
+        return run
+
+    def assume(self, report: PoolReport) -> None:
+        """Count what a rank holds as read from outside it (its disk tier's files, before it runs), until
+        the rank's own first report (`full`) replaces it: so the first lookups after a restart hit."""
+        self._assumed[report.rank] = {prefix: set(hashes) for prefix, hashes in report.stored.items()}
+        self.apply(replace(report, full=False))
+
+    def apply(self, report: PoolReport) -> None:
+        if report.epoch != self.epoch:
+            return  # from before a reset (its chunks were dropped with the pool), or not yet
+        if report.full:
+            assumed = self._assumed.pop(report.rank, None)
+            if assumed is not None:
+                report = _reconciled(report, assumed)
+        needed = self.needed
+        for prefix, hashes in report.dropped.items():
+            held = self._counts.get(prefix)
+            if held is None:
+                continue
+            chains = self._chains[prefix]
+            for h in hashes:
+                count = held.get(h, 0)
+                if count <= 0:
+                    continue
+                if count == needed:
+                    chains.cut(h)
+                    if self.track_events and self._complete(prefix, h):
+                        self._events.append(PoolEvent(self._group_of[prefix], h, False))
+                if count == 1:
+                    del held[h]
+                    chains.unlink(h)
+                else:
+                    held[h] = count - 1
+        announced: list[tuple[str, bytes]] = []  # chunks now complete: announced once their links are in
+        for prefix, hashes in report.stored.items():
+            held = self._counts.get(prefix)
+            if held is None:
+                continue
+            for h in hashes:
+                count = held[h] = held.get(h, 0) + 1
+                if self.track_events and count == needed and self._complete(prefix, h):
+                    announced.append((prefix, h))
+        for prefix in {*report.stored, *report.parents}:  # chains, once every count above has moved
+            held = self._counts.get(prefix)
+            if held is None:
+                continue
+            chains, present = self._chains[prefix], _holder(held, needed)
+            for h, parent in report.parents.get(prefix, {}).items():
+                if h in held and chains.link(h, parent):
+                    chains.extend(h, present)
+            for h in report.stored.get(prefix, ()):
+                if present(h):
+                    chains.extend(h, present)
+        for prefix, h in announced:
+            # a chunk whose parent is not known (found in a pool an earlier engine filled) is not announced:
+            # without its parent a router would take it for the start of a prompt
+            link = self._chains[prefix].parent.get(h)
+            if link is not None:
+                self._events.append(PoolEvent(self._group_of[prefix], h, True, link or None))
+
+    def _complete(self, prefix: str, chunk_hash: bytes) -> bool:
+        """Is the chunk held by every rank in every namespace of its group (counting `prefix` as full)?"""
+        needed = self.needed
+        return all(
+            other == prefix or self._counts[other].get(chunk_hash, 0) >= needed
+            for other in self.group_prefixes[self._group_of[prefix]]
+        )
+
+    def reset(self, epoch: int) -> None:
+        """The pools were emptied: nothing is held; reports from before `epoch` are ignored."""
+        if self.track_events:
+            for group, prefixes in enumerate(self.group_prefixes):
+                for h in list(self._counts[prefixes[0]]):
+                    if self._complete(prefixes[0], h) and self._counts[prefixes[0]][h] >= self.needed:
+                        self._events.append(PoolEvent(group, h, False))
+        for held in self._counts.values():
+            held.clear()
+        for chains in self._chains.values():
+            chains.clear()
+        self._assumed.clear()
+        self.epoch = epoch
+
+    def take_events(self) -> list[PoolEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._counts.values())
+
+
+def _reconciled(report: PoolReport, assumed: dict[str, set[bytes]]) -> PoolReport:
+    """A rank's first (full) report as changes to what was assumed for it."""
+    stored: dict[str, list[bytes]] = {}
+    dropped: dict[str, list[bytes]] = {}
+    for prefix in {*report.stored, *assumed}:
+        held = report.stored.get(prefix, [])
+        before = assumed.get(prefix, set())
+        now = set(held)
+        if new := [h for h in held if h not in before]:
+            stored[prefix] = new
+        if gone := [h for h in before if h not in now]:
+            dropped[prefix] = gone
+    return PoolReport(report.rank, report.epoch, stored, dropped, report.parents)
+
+
+def _holder(held: dict[bytes, int], needed: int) -> Callable[[bytes], bool]:
+    """`chunk_hash -> held by enough ranks`; a dict probe in C when one rank suffices (counts >= 1 or absent)."""
+    if needed == 1:
+        return held.__contains__
+    return lambda chunk_hash: held.get(chunk_hash, 0) >= needed

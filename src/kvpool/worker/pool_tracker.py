@@ -1,0 +1,135 @@
+"""What this rank's pool holds, or what its puts stored, as one report per engine step for the scheduler.
+
+`PoolTracker` follows an embedded pool (chunks its saves stored; chunks the pool evicted, removed or
+cleared) for the scheduler's index (`kvpool.scheduler.index`); `PutTracker` reports a shared pool's
+puts for its KV events (`kvpool.scheduler.remote_events`). Both hand over a `PoolReport` of the net
+change since the previous one, with each chunk's parent when known.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvpool.core.keys import KeySpace
+from kvpool.core.pool_reports import PoolReport
+
+
+class PoolTracker:
+    """Worker side: what this rank's pool holds in the rank's namespaces, as reports for the scheduler.
+
+    A report is the net change since the previous one (a key stored and evicted in between is not in
+    it): the index counts ranks per chunk, so it must see each rank's transitions exactly.
+    Thread-safe: saves report from the engine thread or the sender, the pool reports removals from
+    whichever thread evicts."""
+
+    def __init__(self, rank: int, spaces: Sequence[KeySpace], pool_keys: Sequence[str]) -> None:
+        self.rank = rank
+        self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
+        self._lock = threading.Lock()
+        self._held: set[str] = set()
+        self._changed: dict[str, bool] = {}  # key -> whether it was held at the previous report
+        self._links: dict[str, bytes] = {}  # key -> its chunk's parent hash, learned since that report
+        self.epoch = 0
+        self._first = True
+        self.stored(pool_keys)  # what the pool already holds (a pool outliving an earlier engine, its disk tier)
+
+    def _split(self, key: str) -> tuple[str, bytes] | None:
+        for prefix in self.prefixes:
+            if key.startswith(prefix):
+                return prefix, bytes.fromhex(key[len(prefix) :])
+        return None
+
+    def stored(self, keys: Sequence[str], parents: Sequence[bytes | None] | None = None) -> None:
+        """These keys are now in the pool (put, or found there); `parents[i]`, when known, is the chunk
+        hash before key i's chunk in its chain (b"": the first chunk)."""
+        with self._lock:
+            for index, key in enumerate(keys):
+                if key not in self._held:
+                    if self._split(key) is None:
+                        continue  # another engine's namespace
+                    self._changed.setdefault(key, False)
+                    self._held.add(key)
+                parent = parents[index] if parents is not None else None
+                if parent is not None:
+                    self._links[key] = parent
+
+    def dropped(self, keys: Sequence[str]) -> None:
+        """These keys left the pool (evicted, removed, cleared)."""
+        with self._lock:
+            for key in keys:
+                if key in self._held:
+                    self._changed.setdefault(key, True)
+                    self._held.discard(key)
+
+    def reset(self, epoch: int) -> None:
+        """The pool was emptied for a reset: what is held from now on belongs to `epoch` (whose index
+        starts empty)."""
+        with self._lock:
+            self.epoch = epoch
+            self._held.clear()
+            self._changed.clear()
+            self._links.clear()
+
+    def take_report(self) -> PoolReport | None:
+        """The changes since the previous report; the first one is always made (`full`: it lists all the
+        rank holds, which replaces what the scheduler assumed from the rank's disk files)."""
+        with self._lock:
+            first, self._first = self._first, False
+            if not (self._changed or self._links or first):
+                return None
+            report = PoolReport(self.rank, self.epoch, full=first)
+            for key, was_held in self._changed.items():
+                if (key in self._held) != was_held:
+                    prefix, chunk_hash = self._split(key)  # type: ignore[misc]
+                    (report.dropped if was_held else report.stored).setdefault(prefix, []).append(chunk_hash)
+            for key, parent in self._links.items():
+                if key in self._held:
+                    prefix, chunk_hash = self._split(key)  # type: ignore[misc]
+                    report.parents.setdefault(prefix, {})[chunk_hash] = parent
+            self._changed, self._links = {}, {}
+        if not (report.stored or report.dropped or report.parents or report.full):
+            return None
+        return report
+
+
+class PutTracker:
+    """Worker side: the chunks this rank's puts stored since its last report, with their parents. It keeps
+    nothing beyond the next report (a shared pool's contents are not this rank's to know). Thread-safe:
+    the sender's thread reports puts, the engine's thread takes the report."""
+
+    def __init__(self, rank: int, spaces: Sequence[KeySpace]) -> None:
+        self.rank = rank
+        self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
+        self.epoch = 0
+        self._lock = threading.Lock()
+        self._put: dict[str, bytes | None] = {}
+
+    def stored(self, keys: Sequence[str], parents: Sequence[bytes | None] | None = None) -> None:
+        with self._lock:
+            for index, key in enumerate(keys):
+                self._put[key] = parents[index] if parents is not None else None
+
+    def dropped(self, keys: Sequence[str]) -> None:
+        """A shared pool's removals are not this rank's to report (see the module docstring)."""
+
+    def reset(self, epoch: int) -> None:
+        with self._lock:
+            self.epoch = epoch
+            self._put.clear()
+
+    def take_report(self) -> PoolReport | None:
+        with self._lock:
+            if not self._put:
+                return None
+            put, self._put = self._put, {}
+            report = PoolReport(self.rank, self.epoch)
+        for key, parent in put.items():
+            for prefix in self.prefixes:
+                if key.startswith(prefix):
+                    chunk_hash = bytes.fromhex(key[len(prefix) :])
+                    report.stored.setdefault(prefix, []).append(chunk_hash)
+                    if parent is not None:
+                        report.parents.setdefault(prefix, {})[chunk_hash] = parent
+                    break
+        return report if report.stored else None

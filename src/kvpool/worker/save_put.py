@@ -1,0 +1,97 @@
+"""The put stage of a save: a batch into the pool, in as few backend calls as the pool allows.
+
+One existence check for the whole batch (when the pool's `exists` is cheaper than a put it spares),
+then one put per KV-cache group and `batch_chunks` chunks, from the batch's host copies or straight
+from the engine's blocks (an in-process pool, inside the step). A failed call leaves the items after
+it untried (ERROR): the planner re-plans their ranges as a whole when they are retired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvpool.backends.base import Backend, Rows, Status
+from kvpool.core.chunks import ChunkRef
+from kvpool.worker.layout import KVLayout
+from kvpool.worker.save_batch import SaveBatch
+from kvpool.worker.stats import WorkerStats
+
+
+def put_batch(
+    batch: SaveBatch, backend: Backend, layout: KVLayout, *, check_exists: bool, batch_chunks: int, stats: WorkerStats
+) -> list[Status]:
+    """Store every item the pool does not hold; per item OK, or why not. A failed call leaves the
+    items after it untried (ERROR): the worker retries their ranges as a whole."""
+    batch.wait_copied()
+    items = batch.items
+    results = [Status.OK] * len(items)
+    stats.chunks_examined += len(items)
+    todo = list(range(len(items)))
+    if todo and check_exists:
+        present = backend.exists([item.key for item in items])
+        stats.chunks_already_present += sum(present)
+        todo = [index for index, there in zip(todo, present) if not there]
+    together: Callable[[int], int] | None = None  # groups whose chunks one put call can take
+    if batch.captured is None:
+        together = layout.row_group  # in place: groups sharing arrays
+    elif batch.one_array:
+        anyone = next(iter(batch.captured))
+        together = lambda group: anyone  # noqa: E731 (every group's copies are in one array)
+    for offset in range(0, len(todo), batch_chunks):
+        part = todo[offset : offset + batch_chunks]
+        statuses = per_group(
+            items, part, lambda group, members: _put(batch, backend, layout, group, members, stats), together
+        )
+        for index, status in zip(part, statuses):
+            results[index] = status
+        if any(status is not Status.OK for status in statuses):
+            for index in todo[offset + batch_chunks :]:
+                results[index] = Status.ERROR
+            break
+    return results
+
+def _put(
+    batch: SaveBatch, backend: Backend, layout: KVLayout, group: int, members: list[int], stats: WorkerStats
+) -> list[Status]:
+    items = batch.items
+    keys = [items[index].key for index in members]
+    if batch.captured is None:
+        rows = layout.save_rows(group, [items[index].block_id for index in members])
+    else:
+        captured = batch.captured[group]
+        rows = Rows(captured.arrays, np.asarray([batch.rows[index] for index in members], dtype=np.int64))
+    statuses = backend.put(keys, rows)
+    stats.put_calls += 1
+    ok = statuses.count(Status.OK)
+    stats.chunks_put += ok
+    stats.bytes_put += ok * layout.chunk_nbytes(group)
+    stats.chunks_put_failed += len(statuses) - ok
+    return statuses
+
+
+def per_group(
+    items: Sequence[ChunkRef],
+    members: list[int],
+    call: Callable[[int, list[int]], list[Status]],
+    key: Callable[[int], int] | None = None,
+) -> list[Status]:
+    """`call` once per KV cache group with that group's members, in order; the statuses in member order.
+    `key`: groups with the same key go together, to `call` with the key as their group."""
+    if not members:
+        return call(0, members)
+    groups = {items[index].group for index in members}
+    if key is not None:
+        groups = {key(group) for group in groups}
+    if len(groups) == 1:
+        return call(groups.pop(), members)  # one group: the common case
+    by_group: dict[int, list[int]] = {}
+    for position, index in enumerate(members):
+        group = items[index].group
+        by_group.setdefault(group if key is None else key(group), []).append(position)
+    results = [Status.ERROR] * len(members)
+    for group, positions in by_group.items():
+        for position, status in zip(positions, call(group, [members[p] for p in positions])):
+            results[position] = status
+    return results
