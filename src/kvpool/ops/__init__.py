@@ -1,4 +1,4 @@
-"""What operators run: the `kvpool` command (`cli.py`: demo, bench, inspect, explain, master,
-segment), the demo, and `inspect` of a master or a server.
-May import: every part of kvpool.
+"""What operators run: the `kvpool` command (`cli.py`: demo, inspect, explain, master, segment; its
+`bench` commands in `bench_cli.py`; what they share in `cli_common.py`), the demo, and `inspect` of a
+master or a server. May import: every part of kvpool.
 """
