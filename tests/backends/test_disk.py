@@ -315,3 +315,68 @@ def test_config_keys_of_the_disk_tier(tmp_path) -> None:
         assert pool.disk.capacity_bytes == 1 << 20
     finally:
         drop_shared_tiered_pools()
+
+
+def test_events_name_the_tier_a_chunk_is_in_and_follow_it_between_dram_and_disk(tmp_path, pools) -> None:
+    """A chunk DRAM evicts but the disk holds is withdrawn from DRAM and announced on disk; a disk hit
+    promoted into DRAM moves it back; after a restart every chunk is on disk only, and the rank's first
+    report agrees with what the scheduler assumed from its files (no tier moves out of nothing)."""
+    space = KeySpace(LayoutFingerprint("m", "f16", 64, "cpu"))
+    hashes = [bytes([i]) * 8 for i in range(3)]
+    keys = [space.key(h) for h in hashes]
+
+    def attach(pool: TieredPool, index: PoolIndex) -> PoolTracker:
+        tracker = PoolTracker(0, [space], pool.keys(), pool.disk_only_keys())
+        pool.add_listener(tracker.dropped)
+        pool.add_tier_listener(tracker.moved)
+        index.apply(tracker.take_report())  # type: ignore[arg-type]
+        return tracker
+
+    def load(pool: TieredPool, i: int) -> Status:
+        return pool.get_into([keys[i]], [[np.zeros(CHUNK, np.uint8)]])[0]
+
+    def events(index: PoolIndex, tracker: PoolTracker) -> list[tuple[int, bool, bool]]:
+        report = tracker.take_report()
+        if report is not None:
+            index.apply(report)
+        return [(hashes.index(e.chunk_hash), e.stored, e.on_disk) for e in index.take_events()]
+
+    pool = tiered(tmp_path, dram_chunks=2)
+    pools.append(pool)
+    index = PoolIndex([[space]])
+    index.track_events = True
+    tracker = attach(pool, index)
+    pool.put(keys[:2], [[value(0)], [value(1)]])
+    tracker.stored(keys[:2], [b"", hashes[0]])
+    assert events(index, tracker) == [(0, True, False), (1, True, False)]
+    assert pool.flush(10.0)
+    pool.put(keys[2:], [[value(2)]])  # DRAM holds two: the first chain's tail goes to disk only
+    tracker.stored(keys[2:], [hashes[1]])
+    assert pool.memory.exists(keys) == [True, False, True]
+    assert events(index, tracker) == [(2, True, False), (1, False, False), (1, True, True)]
+    assert pool.flush(10.0)
+    assert load(pool, 1) is Status.OK  # a disk hit, promoted: DRAM evicts another
+    held = pool.memory.exists(keys)
+    assert held[1] and held.count(True) == 2
+    out = held.index(False)
+    moves = [(1, False, True), (1, True, False), (out, False, False), (out, True, True)]
+    assert sorted(events(index, tracker)) == sorted(moves)
+    assert pool.flush(10.0)
+    pool.shutdown(5.0)
+
+    restarted = tiered(tmp_path, dram_chunks=2)
+    pools.append(restarted)
+    assert sorted(restarted.disk_only_keys()) == sorted(keys)
+    index = PoolIndex([[space]])
+    index.track_events = True
+    index.assume(PoolTracker(0, [space], keys, disk_only=keys).take_report())  # type: ignore[arg-type]
+    assert index.present(0, hashes) == [True, True, True]
+    tracker = attach(restarted, index)  # the rank's first report: the same three, on disk only
+    assert index.take_events() == []
+    assert [index._on_disk(0, h) for h in hashes] == [True, True, True]
+    assert load(restarted, 2) is Status.OK
+    report = tracker.take_report()
+    assert report is not None and report.promoted == {space.prefix: [hashes[2]]} and not report.demoted
+    index.apply(report)
+    assert [index._on_disk(0, h) for h in hashes] == [True, True, False]
+    assert [(e.stored, e.on_disk) for e in index.take_events()] == [], "links unknown after a restart: not announced"

@@ -14,7 +14,8 @@ Invariants:
   returned by `read_timeout_s` answers UNAVAILABLE (a failed load, recomputed) and can never write
   into the destination later. A disk hit is promoted into DRAM.
 - Keys leave the pool (the listeners hear of them) only when neither tier holds them, nor is a write
-  of them pending.
+  of them pending. Keys that move between the tiers (DRAM evicted them and the disk holds them, or
+  will once their write lands; a disk hit promoted into DRAM) are told to the tier listeners.
 - Both tiers age a chain tail first (DRAM's order of a put is kept by the writer; reads touch the
   disk tail first), so neither drops a prefix's head before its tail.
 """
@@ -85,6 +86,7 @@ class TieredPool:
         self._closed = False
         self._stats = TierStats()
         self._listeners: list[Callable[[list[str]], None]] = []
+        self._tier_listeners: list[Callable[[list[str], bool], None]] = []
         self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-disk-read")
         self._read_blocked_until = 0.0
         disk.on_evicted = self._disk_dropped
@@ -166,6 +168,21 @@ class TieredPool:
         with self._lock:
             if listener in self._listeners:
                 self._listeners.remove(listener)
+
+    def add_tier_listener(self, listener: Callable[[list[str], bool], None]) -> None:
+        """Call `listener(keys, on_disk)` when keys move to the disk tier only (`on_disk`) or back into DRAM."""
+        with self._lock:
+            self._tier_listeners.append(listener)
+
+    def remove_tier_listener(self, listener: Callable[[list[str], bool], None]) -> None:
+        with self._lock:
+            if listener in self._tier_listeners:
+                self._tier_listeners.remove(listener)
+
+    def disk_only_keys(self) -> list[str]:
+        """The keys the disk tier holds that DRAM does not (all of them, right after a restart)."""
+        on_disk = self.disk.keys()
+        return [key for key, held in zip(on_disk, self.memory.exists(on_disk)) if not held]
 
     def stats(self) -> BackendStats:
         """DRAM's counts (capacity, used bytes and evictions are DRAM's), `keys` of both tiers, and the disk's."""
@@ -323,7 +340,9 @@ class TieredPool:
             self._stats.disk_late += late
             self._stats.promoted += len(promote)
         if promote:  # head to tail, as the caller asked: DRAM's put touches them tail first
-            self.memory.put([key for key, _ in promote], [[value] for _, value in promote])
+            promoted = [key for key, _ in promote]
+            statuses = self.memory.put(promoted, [[value] for _, value in promote])
+            self._moved([key for key, status in zip(promoted, statuses) if status is Status.OK], on_disk=False)
 
     # --- what leaves the pool ------------------------------------------------------------------
 
@@ -331,8 +350,17 @@ class TieredPool:
         contains = self.disk.contains
         with self._lock:
             pending = self._pending
-            gone = [key for key in keys if key not in pending and not contains(key)]
-        self._announce(gone)
+            below = [key in pending or contains(key) for key in keys]
+        self._announce([key for key, kept in zip(keys, below) if not kept])
+        self._moved([key for key, kept in zip(keys, below) if kept], on_disk=True)
+
+    def _moved(self, keys: list[str], on_disk: bool) -> None:
+        if not keys:
+            return
+        with self._lock:
+            listeners = list(self._tier_listeners)
+        for listener in listeners:
+            listener(keys, on_disk)
 
     def _disk_dropped(self, keys: list[str]) -> None:
         self._announce([key for key, held in zip(keys, self.memory.exists(keys)) if not held])

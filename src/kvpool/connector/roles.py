@@ -128,7 +128,8 @@ def _assume_disk_contents(index: PoolIndex, config: KVPoolConfig, plan: ModelPla
     directory hits from its first request); each rank's first report then replaces this."""
     spaces = [space for spaces in plan.lookup_namespaces() for space in spaces]
     for rank in range(plan.tp_size * plan.pp_size):
-        report = PoolTracker(rank, spaces, stored_keys(config.disk_dir(rank))).take_report()
+        on_disk = stored_keys(config.disk_dir(rank))
+        report = PoolTracker(rank, spaces, on_disk, disk_only=on_disk).take_report()
         if report is not None:
             index.assume(report)
 
@@ -157,6 +158,8 @@ class WorkerRole:
     def close(self) -> None:
         if self.tracker is not None and isinstance(self.backend, (MemoryBackend, TieredPool)):
             self.backend.remove_listener(self.tracker.dropped)  # the named pool outlives this worker
+        if isinstance(self.tracker, PoolTracker) and isinstance(self.backend, TieredPool):
+            self.backend.remove_tier_listener(self.tracker.moved)
         self.core.drain(timeout_s=WORKER_DRAIN_S)
         self.core.close()
         self.backend.close()
@@ -171,8 +174,11 @@ def worker_role(
     placements = plan.placements()
     tracker: PoolTracker | PutTracker | None = None
     if isinstance(backend, (MemoryBackend, TieredPool)):
-        tracker = PoolTracker(plan.rank, [p.keys for p in placements], backend.keys())
+        disk_only = backend.disk_only_keys() if isinstance(backend, TieredPool) else []
+        tracker = PoolTracker(plan.rank, [p.keys for p in placements], backend.keys(), disk_only)
         backend.add_listener(tracker.dropped)
+        if isinstance(backend, TieredPool):
+            backend.add_tier_listener(tracker.moved)  # chunks between DRAM and disk: their events' medium
     elif report_puts:
         tracker = PutTracker(plan.rank, [p.keys for p in placements])
     core = WorkerCore(backend, plan.coordinator, placements, config=worker_config(config), tracker=tracker)

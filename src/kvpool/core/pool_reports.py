@@ -21,14 +21,20 @@ class PoolReport:
     dropped: dict[str, list[bytes]] = field(default_factory=dict)  # namespace prefix -> chunk hashes gone
     parents: dict[str, dict[bytes, bytes]] = field(default_factory=dict)  # prefix -> chunk -> its parent
     full: bool = False  # the rank's first report: `stored` is everything it holds
+    # a tiered pool: chunks held now on disk only (`demoted`), and chunks that were on disk only at the
+    # previous report and are not now (back in DRAM, or dropped: then also in `dropped`)
+    demoted: dict[str, list[bytes]] = field(default_factory=dict)
+    promoted: dict[str, list[bytes]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class PoolEvent:
     """A chunk of a group became present in every namespace it needs (`stored`), or stopped being.
-    A stored chunk's `parent` is the chunk before it in its chain (None: it is the first)."""
+    A stored chunk's `parent` is the chunk before it in its chain (None: it is the first). `on_disk`:
+    some rank holds it on its disk tier only (a router's cost to reach it is a disk read)."""
 
     group: int
     chunk_hash: bytes
     stored: bool
     parent: bytes | None = None
+    on_disk: bool = False

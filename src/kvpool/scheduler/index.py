@@ -14,7 +14,9 @@ fails and is recomputed, as any load does. Reports carry the pool's reset epoch:
 a reset are ignored.
 
 The same transitions are the pool's KV events: a chunk is announced once every rank that must hold
-it does, in every namespace of its group, and withdrawn when any of them drops it.
+it does, in every namespace of its group, and withdrawn when any of them drops it. With a disk tier,
+each event says whether some rank holds the chunk on disk only (`on_disk`); a chunk whose tier
+changes while it is present is withdrawn from the old tier and announced in the new one.
 
 Chains. A chunk hash names its whole prefix, so each chunk has one parent (the chunk before it; b""
 for a first chunk), and the workers report it with each save. Per namespace the index keeps the set
@@ -104,6 +106,7 @@ class PoolIndex:
         self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
         self.needed = ranks_per_namespace
         self._counts: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}
+        self._disk: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}  # ranks: disk only
         self._chains: dict[str, _Chains] = {prefix: _Chains() for prefix in self._group_of}
         self.epoch = 0
         self.track_events = False
@@ -153,6 +156,7 @@ class PoolIndex:
             if assumed is not None:
                 report = _reconciled(report, assumed)
         needed = self.needed
+        moving = self._tiers_before(report) if self.track_events else {}
         for prefix, hashes in report.dropped.items():
             held = self._counts.get(prefix)
             if held is None:
@@ -165,12 +169,14 @@ class PoolIndex:
                 if count == needed:
                     chains.cut(h)
                     if self.track_events and self._complete(prefix, h):
-                        self._events.append(PoolEvent(self._group_of[prefix], h, False))
+                        group = self._group_of[prefix]
+                        self._events.append(PoolEvent(group, h, False, on_disk=self._on_disk(group, h)))
                 if count == 1:
                     del held[h]
                     chains.unlink(h)
                 else:
                     held[h] = count - 1
+        self._count_disk(report.promoted, -1)
         announced: list[tuple[str, bytes]] = []  # chunks now complete: announced once their links are in
         for prefix, hashes in report.stored.items():
             held = self._counts.get(prefix)
@@ -180,6 +186,7 @@ class PoolIndex:
                 count = held[h] = held.get(h, 0) + 1
                 if self.track_events and count == needed and self._complete(prefix, h):
                     announced.append((prefix, h))
+        self._count_disk(report.demoted, +1)
         for prefix in {*report.stored, *report.parents}:  # chains, once every count above has moved
             held = self._counts.get(prefix)
             if held is None:
@@ -196,7 +203,47 @@ class PoolIndex:
             # without its parent a router would take it for the start of a prompt
             link = self._chains[prefix].parent.get(h)
             if link is not None:
-                self._events.append(PoolEvent(self._group_of[prefix], h, True, link or None))
+                group = self._group_of[prefix]
+                self._events.append(PoolEvent(group, h, True, link or None, on_disk=self._on_disk(group, h)))
+        for (group, h), was_on_disk in moving.items():
+            link = self._chains[self.group_prefixes[group][0]].parent.get(h)
+            if was_on_disk is None or link is None or not self._present_in_group(group, h):
+                continue  # announced (or withdrawn) above, or never announced
+            if self._on_disk(group, h) != was_on_disk:
+                self._events.append(PoolEvent(group, h, False, on_disk=was_on_disk))
+                self._events.append(PoolEvent(group, h, True, link or None, on_disk=not was_on_disk))
+
+    def _count_disk(self, changes: dict[str, list[bytes]], step: int) -> None:
+        for prefix, hashes in changes.items():
+            counts = self._disk.get(prefix)
+            if counts is None:
+                continue
+            for h in hashes:
+                count = counts.get(h, 0) + step
+                if count > 0:
+                    counts[h] = count
+                else:
+                    counts.pop(h, None)
+
+    def _on_disk(self, group: int, chunk_hash: bytes) -> bool:
+        return any(self._disk[prefix].get(chunk_hash, 0) > 0 for prefix in self.group_prefixes[group])
+
+    def _present_in_group(self, group: int, chunk_hash: bytes) -> bool:
+        return all(self._counts[prefix].get(chunk_hash, 0) >= self.needed for prefix in self.group_prefixes[group])
+
+    def _tiers_before(self, report: PoolReport) -> dict[tuple[int, bytes], bool | None]:
+        """The chunks whose tier the report moves, with their tier before it (None: not present then)."""
+        before: dict[tuple[int, bytes], bool | None] = {}
+        for changes in (report.demoted, report.promoted):
+            for prefix, hashes in changes.items():
+                group = self._group_of.get(prefix)
+                if group is None:
+                    continue
+                for h in hashes:
+                    if (group, h) not in before:
+                        present = self._present_in_group(group, h)
+                        before[group, h] = self._on_disk(group, h) if present else None
+        return before
 
     def _complete(self, prefix: str, chunk_hash: bytes) -> bool:
         """Is the chunk held by every rank in every namespace of its group (counting `prefix` as full)?"""
@@ -212,8 +259,8 @@ class PoolIndex:
             for group, prefixes in enumerate(self.group_prefixes):
                 for h in list(self._counts[prefixes[0]]):
                     if self._complete(prefixes[0], h) and self._counts[prefixes[0]][h] >= self.needed:
-                        self._events.append(PoolEvent(group, h, False))
-        for held in self._counts.values():
+                        self._events.append(PoolEvent(group, h, False, on_disk=self._on_disk(group, h)))
+        for held in (*self._counts.values(), *self._disk.values()):
             held.clear()
         for chains in self._chains.values():
             chains.clear()
@@ -232,6 +279,15 @@ def _reconciled(report: PoolReport, assumed: dict[str, set[bytes]]) -> PoolRepor
     """A rank's first (full) report as changes to what was assumed for it."""
     stored: dict[str, list[bytes]] = {}
     dropped: dict[str, list[bytes]] = {}
+    demoted: dict[str, list[bytes]] = {}
+    promoted: dict[str, list[bytes]] = {}
+    for prefix in {*report.demoted, *assumed}:  # everything assumed was on disk only
+        on_disk, before = report.demoted.get(prefix, []), assumed.get(prefix, set())
+        if new := [h for h in on_disk if h not in before]:
+            demoted[prefix] = new
+        now = set(on_disk)
+        if back := [h for h in before if h not in now]:
+            promoted[prefix] = back
     for prefix in {*report.stored, *assumed}:
         held = report.stored.get(prefix, [])
         before = assumed.get(prefix, set())
@@ -240,7 +296,7 @@ def _reconciled(report: PoolReport, assumed: dict[str, set[bytes]]) -> PoolRepor
             stored[prefix] = new
         if gone := [h for h in before if h not in now]:
             dropped[prefix] = gone
-    return PoolReport(report.rank, report.epoch, stored, dropped, report.parents)
+    return PoolReport(report.rank, report.epoch, stored, dropped, report.parents, demoted=demoted, promoted=promoted)
 
 
 def _holder(held: dict[bytes, int], needed: int) -> Callable[[bytes], bool]:

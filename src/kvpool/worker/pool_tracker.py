@@ -23,16 +23,21 @@ class PoolTracker:
     Thread-safe: saves report from the engine thread or the sender, the pool reports removals from
     whichever thread evicts."""
 
-    def __init__(self, rank: int, spaces: Sequence[KeySpace], pool_keys: Sequence[str]) -> None:
+    def __init__(
+        self, rank: int, spaces: Sequence[KeySpace], pool_keys: Sequence[str], disk_only: Sequence[str] = ()
+    ) -> None:
         self.rank = rank
         self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
         self._lock = threading.Lock()
         self._held: set[str] = set()
         self._changed: dict[str, bool] = {}  # key -> whether it was held at the previous report
         self._links: dict[str, bytes] = {}  # key -> its chunk's parent hash, learned since that report
+        self._disk_only: set[str] = set()  # held keys a tiered pool holds on its disk tier only
+        self._tier_changed: dict[str, bool] = {}  # key -> whether it was disk-only at the previous report
         self.epoch = 0
         self._first = True
         self.stored(pool_keys)  # what the pool already holds (a pool outliving an earlier engine, its disk tier)
+        self.moved(disk_only, on_disk=True)
 
     def _split(self, key: str) -> tuple[str, bytes] | None:
         for prefix in self.prefixes:
@@ -50,6 +55,9 @@ class PoolTracker:
                         continue  # another engine's namespace
                     self._changed.setdefault(key, False)
                     self._held.add(key)
+                elif key in self._disk_only:  # put again: in DRAM
+                    self._tier_changed.setdefault(key, True)
+                    self._disk_only.discard(key)
                 parent = parents[index] if parents is not None else None
                 if parent is not None:
                     self._links[key] = parent
@@ -61,6 +69,21 @@ class PoolTracker:
                 if key in self._held:
                     self._changed.setdefault(key, True)
                     self._held.discard(key)
+                    if key in self._disk_only:
+                        self._tier_changed.setdefault(key, True)
+                        self._disk_only.discard(key)
+
+    def moved(self, keys: Sequence[str], on_disk: bool) -> None:
+        """A tiered pool moved these keys between its tiers: now on disk only (`on_disk`), or in DRAM."""
+        with self._lock:
+            for key in keys:
+                if key not in self._held or (key in self._disk_only) == on_disk:
+                    continue
+                self._tier_changed.setdefault(key, not on_disk)
+                if on_disk:
+                    self._disk_only.add(key)
+                else:
+                    self._disk_only.discard(key)
 
     def reset(self, epoch: int) -> None:
         """The pool was emptied for a reset: what is held from now on belongs to `epoch` (whose index
@@ -70,13 +93,15 @@ class PoolTracker:
             self._held.clear()
             self._changed.clear()
             self._links.clear()
+            self._disk_only.clear()
+            self._tier_changed.clear()
 
     def take_report(self) -> PoolReport | None:
         """The changes since the previous report; the first one is always made (`full`: it lists all the
         rank holds, which replaces what the scheduler assumed from the rank's disk files)."""
         with self._lock:
             first, self._first = self._first, False
-            if not (self._changed or self._links or first):
+            if not (self._changed or self._links or self._tier_changed or first):
                 return None
             report = PoolReport(self.rank, self.epoch, full=first)
             for key, was_held in self._changed.items():
@@ -87,8 +112,14 @@ class PoolTracker:
                 if key in self._held:
                     prefix, chunk_hash = self._split(key)  # type: ignore[misc]
                     report.parents.setdefault(prefix, {})[chunk_hash] = parent
-            self._changed, self._links = {}, {}
-        if not (report.stored or report.dropped or report.parents or report.full):
+            if first:  # a full report: every disk-only key, as the index starts from nothing for this rank
+                self._tier_changed = {key: False for key in self._disk_only}
+            for key, was_on_disk in self._tier_changed.items():
+                if (key in self._disk_only) != was_on_disk:
+                    prefix, chunk_hash = self._split(key)  # type: ignore[misc]
+                    (report.promoted if was_on_disk else report.demoted).setdefault(prefix, []).append(chunk_hash)
+            self._changed, self._links, self._tier_changed = {}, {}, {}
+        if not (report.stored or report.dropped or report.parents or report.demoted or report.promoted or report.full):
             return None
         return report
 

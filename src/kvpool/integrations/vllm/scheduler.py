@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 LOCAL = "LOCAL"  # vLLM's `locality`: the bytes are on this engine's host
 REMOTE = "REMOTE"
+DISK_MEDIUM = "DISK"  # an embedded pool's chunk that some rank holds on its disk tier only
 
 
 class SchedulerSide:
@@ -189,16 +190,17 @@ class SchedulerSide:
 
     def _event(self, event: PoolEvent) -> KVCacheEvent:
         """A pool's chunk as vLLM's own event names a block: where it is (the embedded pool: medium CPU,
-        local; a shared pool: STORAGE), its parent, tokens and extra keys (the tokens only while the
-        record of the step that computed it lasts: see `kvpool.scheduler.chunk_origins`), its group's spec kind
-        and window."""
+        local, or DISK while some rank holds it on its disk tier only; a shared pool: STORAGE), its
+        parent, tokens and extra keys (the tokens only while the record of the step that computed it
+        lasts: see `kvpool.scheduler.chunk_origins`), its group's spec kind and window."""
         from vllm.distributed.kv_events import BlockRemoved, BlockStored
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash, to_event_extra_keys
 
         block_hash = maybe_convert_block_hash(BlockHash(event.chunk_hash))
+        medium = DISK_MEDIUM if event.on_disk else self._medium
         if not event.stored:
             return BlockRemoved(
-                block_hashes=[block_hash], medium=self._medium, group_idx=event.group, locality=self._locality
+                block_hashes=[block_hash], medium=medium, group_idx=event.group, locality=self._locality
             )
         origin = self.origins.take(event.group, event.chunk_hash) if self.origins is not None else None
         kind, window = self._group_kinds[event.group]
@@ -208,7 +210,7 @@ class SchedulerSide:
             token_ids=list(origin.token_ids) if origin is not None else [],
             block_size=self._block_sizes[event.group],
             lora_id=None,
-            medium=self._medium,
+            medium=medium,
             lora_name=_lora_name(origin.extra_keys) if origin is not None else None,
             extra_keys=to_event_extra_keys([origin.extra_keys]) if origin is not None and origin.extra_keys else None,
             group_idx=event.group,
