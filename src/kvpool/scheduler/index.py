@@ -207,7 +207,7 @@ class PoolIndex:
                 self._events.append(PoolEvent(group, h, True, link or None, on_disk=self._on_disk(group, h)))
         for (group, h), was_on_disk in moving.items():
             link = self._chains[self.group_prefixes[group][0]].parent.get(h)
-            if was_on_disk is None or link is None or not self._present_in_group(group, h):
+            if was_on_disk is None or link is None or not self.present(group, [h])[0]:
                 continue  # announced (or withdrawn) above, or never announced
             if self._on_disk(group, h) != was_on_disk:
                 self._events.append(PoolEvent(group, h, False, on_disk=was_on_disk))
@@ -228,9 +228,6 @@ class PoolIndex:
     def _on_disk(self, group: int, chunk_hash: bytes) -> bool:
         return any(self._disk[prefix].get(chunk_hash, 0) > 0 for prefix in self.group_prefixes[group])
 
-    def _present_in_group(self, group: int, chunk_hash: bytes) -> bool:
-        return all(self._counts[prefix].get(chunk_hash, 0) >= self.needed for prefix in self.group_prefixes[group])
-
     def _tiers_before(self, report: PoolReport) -> dict[tuple[int, bytes], bool | None]:
         """The chunks whose tier the report moves, with their tier before it (None: not present then)."""
         before: dict[tuple[int, bytes], bool | None] = {}
@@ -241,7 +238,7 @@ class PoolIndex:
                     continue
                 for h in hashes:
                     if (group, h) not in before:
-                        present = self._present_in_group(group, h)
+                        present = self.present(group, [h])[0]
                         before[group, h] = self._on_disk(group, h) if present else None
         return before
 
