@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvpool.backends.base import Status
-from kvpool.backends.disk import HEADER_BYTES, SUFFIX, DiskTier, stored_keys
+from kvpool.backends.disk import HEADER_BYTES, MAGIC, SUFFIX, DiskTier, stored_links
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
@@ -90,7 +92,7 @@ def test_a_put_never_waits_for_the_disk_and_a_full_queue_skips_the_write(tmp_pat
     disk = DiskTier(str(tmp_path), 1 << 30)
     gate = threading.Event()
     real_write = disk.write
-    monkeypatch.setattr(disk, "write", lambda k, p: (gate.wait(10), real_write(k, p))[1])
+    monkeypatch.setattr(disk, "write", lambda k, p, link=None: (gate.wait(10), real_write(k, p, link))[1])
     pool = TieredPool(MemoryBackend(64 * CHUNK), disk, write_queue_bytes=3 * CHUNK)
     pools.append(pool)
     start = time.perf_counter()
@@ -108,7 +110,7 @@ def test_an_array_evicted_while_its_write_is_pending_is_never_reused_for_another
     disk = DiskTier(str(tmp_path), 1 << 30)
     gate = threading.Event()
     real_write = disk.write
-    disk.write = lambda k, p: (gate.wait(10), real_write(k, p))[1]  # type: ignore[method-assign]
+    disk.write = lambda k, p, link=None: (gate.wait(10), real_write(k, p, link))[1]  # type: ignore[method-assign]
     pool = TieredPool(MemoryBackend(2 * CHUNK), disk, write_queue_bytes=64 * CHUNK)
     pools.append(pool)
     for i in range(12):  # each put evicts an older chunk whose write still waits
@@ -135,7 +137,7 @@ def test_a_restarted_pool_finds_what_the_previous_one_left_and_drops_interrupted
     for i in range(6):
         status, got = read(again, i)
         assert status is Status.OK and np.array_equal(got, value(i))
-    assert sorted(stored_keys(str(tmp_path))) == [key(i) for i in range(6)]
+    assert sorted(stored_links(str(tmp_path))) == [key(i) for i in range(6)]
 
 
 def _file_of(directory: Path, i: int) -> Path:
@@ -144,24 +146,28 @@ def _file_of(directory: Path, i: int) -> Path:
 
 @pytest.mark.parametrize(
     "harm",
-    ["truncated", "one byte flipped", "header edited", "another chunk's file", "empty"],
+    ["truncated", "one byte flipped", "header edited", "link edited", "another chunk's file", "empty"],
 )
 def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path, harm) -> None:
     disk = DiskTier(str(tmp_path), 1 << 20)
     for i in range(2):
-        assert disk.write(key(i), [value(i)]) is Status.OK
+        assert disk.write(key(i), [value(i)], link=bytes([i]) * 8) is Status.OK
     path, data = _file_of(tmp_path, 0), bytearray(_file_of(tmp_path, 0).read_bytes())
     if harm == "truncated":
         data = data[: len(data) - 100]
     elif harm == "one byte flipped":
-        data[HEADER_BYTES + len(key(0)) + 1000] ^= 0x01
+        data[HEADER_BYTES + len(key(0)) + 8 + 1000] ^= 0x01
     elif harm == "header edited":
-        data[12] ^= 0xFF  # the value's length
+        data[14] ^= 0xFF  # the value's length
+    elif harm == "link edited":
+        data[HEADER_BYTES + len(key(0))] ^= 0x01  # a router would be told another parent
     elif harm == "another chunk's file":
         data = bytearray(_file_of(tmp_path, 1).read_bytes())
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
+    if harm not in ("truncated", "one byte flipped"):  # the header itself is damaged: its link is not used
+        assert key(0) not in stored_links(str(tmp_path))
     assert disk.read(key(0)) is Status.CORRUPT
     assert not path.exists() and not disk.contains(key(0))
     assert disk.stats().corrupt == 1
@@ -380,3 +386,61 @@ def test_events_name_the_tier_a_chunk_is_in_and_follow_it_between_dram_and_disk(
     index.apply(report)
     assert [index._on_disk(0, h) for h in hashes] == [True, True, False]
     assert [(e.stored, e.on_disk) for e in index.take_events()] == [], "links unknown after a restart: not announced"
+    # (the chunks above were put without their links: see the next test for a restart announced as chains)
+
+
+def test_a_restarted_tier_is_announced_as_chains_parents_first_from_the_links_its_files_keep(tmp_path, pools) -> None:
+    """Each file keeps its chunk's parent, so the scheduler of a restarted engine announces what the tier
+    holds before any request: every linked chunk, on disk, its parent before it whatever order the files
+    are found in; a chunk written without its link counts for lookups but is not announced (a router
+    would take it for the start of a prompt). Then the rank's own report moves nothing, and a disk hit
+    promoted into DRAM moves its announced chunk between the tiers."""
+    space = KeySpace(LayoutFingerprint("m", "f16", 64, "cpu"))
+    hashes = [bytes([i]) * 8 for i in range(4)]
+    parents = [b"", hashes[0], hashes[1], hashes[0]]  # two prompts sharing a first chunk: 0-1-2 and 0-3
+    keys = [space.key(h) for h in hashes]
+    unlinked = space.key(b"\x09" * 8)
+    pool = tiered(tmp_path, dram_chunks=8)
+    pools.append(pool)
+    assert pool.put_linked(keys, [[value(i)] for i in range(4)], parents) == [Status.OK] * 4
+    assert pool.put([unlinked], [[value(9)]]) == [Status.OK]
+    assert pool.flush(10.0)
+    pool.shutdown(5.0)
+
+    links = stored_links(str(tmp_path))
+    assert links == {**dict(zip(keys, parents)), unlinked: None}
+    index = PoolIndex([[space]])
+    index.track_events = True
+    found = sorted(links, reverse=True)  # the files come in no particular order: children first here
+    assumed = PoolTracker(0, [space], found, disk_only=found, parents=[links[k] for k in found])  # as at start
+    index.assume(assumed.take_report())  # type: ignore[arg-type]
+    announced = [(e.chunk_hash, e.parent, e.on_disk) for e in index.take_events() if e.stored]
+    assert sorted(announced) == sorted((h, p or None, True) for h, p in zip(hashes, parents))
+    order = [h for h, _, _ in announced]
+    assert all(order.index(p) < order.index(h) for h, p in zip(hashes, parents) if p), order
+    assert index.present(0, [b"\x09" * 8]) == [True], "unannounced, yet a lookup still hits it"
+
+    restarted = tiered(tmp_path, dram_chunks=8)
+    pools.append(restarted)
+    rank = PoolTracker(0, [space], restarted.keys(), restarted.disk_only_keys())
+    restarted.add_tier_listener(rank.moved)
+    index.apply(rank.take_report())  # type: ignore[arg-type]
+    assert index.take_events() == []
+    assert restarted.get_into([keys[2]], [[np.zeros(CHUNK, np.uint8)]]) == [Status.OK]
+    index.apply(rank.take_report())  # type: ignore[arg-type]
+    moved = [(e.chunk_hash, e.stored, e.on_disk, e.parent) for e in index.take_events()]
+    assert moved == [(hashes[2], False, True, None), (hashes[2], True, False, hashes[1])]
+
+
+def test_files_of_the_previous_format_are_still_read_with_no_link(tmp_path) -> None:
+    """An upgrade keeps the tier: version 2 files (before links) read back whole and name no parent."""
+    data = value(3)
+    encoded = key(3).encode()
+    head = struct.pack("<4sHHIQQ", MAGIC, 2, 36, len(encoded), data.size, xxhash.xxh3_64_intdigest(data.data))
+    path = _file_of(tmp_path, 3)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + encoded)) + encoded + data.tobytes())
+    disk = DiskTier(str(tmp_path), 1 << 20)
+    status, got = read(disk, 3)
+    assert status is Status.OK and np.array_equal(got, data)
+    assert stored_links(str(tmp_path)) == {key(3): None}

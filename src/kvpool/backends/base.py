@@ -164,3 +164,13 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class KeepsLinks(Protocol):
+    """A pool that keeps each chunk's chain link beside it (the embedded pool's disk tier): what outlives
+    the engine can then be announced as chains after a restart. Other pools have `put` only."""
+
+    def put_linked(self, keys: Sequence[str], values: Values, parents: Sequence[bytes | None]) -> list[Status]:
+        """`put`, with each chunk's parent hash (b"": the first chunk of its chain; None: not known)."""
+        ...

@@ -4,8 +4,13 @@ Layout: one file per chunk, `<directory>/<key>.kvc` (the key's `/` are directori
 chunks share a folder and a wipe of one model or layout is one `rm -r`). A file is a header, the key,
 then the value's bytes:
 
-    magic "KVPD" | version u16 | header bytes u16 | key bytes u32 | value bytes u64 | xxh3_64(value) u64
-    | xxh3_64(header before this field + key) u64 | key | value
+    magic "KVPD" | version u16 | header bytes u16 | key bytes u32 | link bytes u16 | value bytes u64
+    | xxh3_64(value) u64 | xxh3_64(header before this field + key + link) u64 | key | link | value
+
+The link is the chunk's parent in its prefix chain (the chunk hash before it; empty: the first chunk;
+link bytes 0xFFFF and nothing stored: not known), so that the scheduler of a restarted engine can
+announce what the files hold as chains in its KV events (a router takes a chunk without its parent
+for the start of a prompt). Version 2 files (no link field) are still read: an upgrade keeps the tier.
 
 Invariants:
 - Nothing wrong is ever served. A file is written under a temporary name and renamed into place once
@@ -24,7 +29,8 @@ Invariants:
 - Start-up rebuilds the index with one scan of the directory (the files are the manifest, so no
   second record can disagree with them), oldest modification first; files beyond the capacity are
   removed. Measured here: 13.5 µs a file (100,000 files in 1.3 s); files are at least a chunk each, so
-  a tier of C bytes of chunks of c bytes scans in C / c × 13.5 µs (1 TiB of 2 MiB chunks: ~7 s).
+  a tier of C bytes of chunks of c bytes scans in C / c × 13.5 µs (1 TiB of 2 MiB chunks: ~7 s). The
+  scheduler of a restarted engine reads each file's header too (`stored_links`), about as long again.
 
 One file per chunk rather than slots in large files: a chunk is a block of every layer (hundreds of
 KiB to MiB at real sizes), so an open and a rename cost little against its bytes, eviction is an
@@ -53,12 +59,17 @@ from kvpool.backends.base import Buffer, Status
 log = logging.getLogger("kvpool.disk")
 
 MAGIC = b"KVPD"
-VERSION = 2
+VERSION = 3
 SUFFIX = ".kvc"
 TMP_SUFFIX = ".tmp"
-_HEAD = struct.Struct("<4sHHIQQ")  # magic, version, header bytes, key bytes, value bytes, xxh3_64(value)
+# magic, version, header bytes, key bytes, link bytes, value bytes, xxh3_64(value)
+_HEAD = struct.Struct("<4sHHIHQQ")
+_HEAD_V2 = struct.Struct("<4sHHIQQ")  # version 2: no link
 _HEAD_SEAL = struct.Struct("<Q")
 HEADER_BYTES = _HEAD.size + _HEAD_SEAL.size
+_HEADER_BYTES_V2 = _HEAD_V2.size + _HEAD_SEAL.size
+NO_LINK = 0xFFFF  # link bytes of a chunk whose parent was not known when it was written
+MAX_LINK_BYTES = 1024  # a parent is a chunk hash (32 bytes with vLLM's sha256)
 WRITE_BACKOFF_S = 5.0
 
 
@@ -121,12 +132,15 @@ class DiskTier:
 
     # --- writes --------------------------------------------------------------------------------
 
-    def write(self, key: str, pieces: Sequence[Buffer]) -> Status:
-        """Store the concatenation of `pieces` under `key`, evicting older files to make room."""
+    def write(self, key: str, pieces: Sequence[Buffer], link: bytes | None = None) -> Status:
+        """Store the concatenation of `pieces` under `key`, evicting older files to make room. `link`:
+        the chunk's parent hash (b"": the first chunk of its chain; None: not known)."""
         if key in self._files:
             return Status.OK
+        if link is not None and len(link) > MAX_LINK_BYTES:
+            link = None  # not a chunk hash: the chunk is kept, its link is not
         size = sum(memoryview(piece).nbytes for piece in pieces)
-        file_bytes = HEADER_BYTES + len(key.encode()) + size
+        file_bytes = HEADER_BYTES + len(key.encode()) + len(link or b"") + size
         if file_bytes > self.capacity_bytes:
             return Status.FULL
         if time.monotonic() < self._write_blocked_until:
@@ -143,7 +157,7 @@ class DiskTier:
             digest = xxhash.xxh3_64()
             for piece in pieces:
                 digest.update(piece)
-            header = _header(key, size, digest.intdigest())
+            header = _header(key, link, size, digest.intdigest())
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd, [header, *pieces])
@@ -290,40 +304,80 @@ class DiskTier:
         return os.path.join(self.directory, *parts) + SUFFIX
 
 
-def stored_keys(directory: str) -> list[str]:
-    """The keys of the chunk files under `directory`, read without changing anything (the scheduler's
-    view of a rank's tier before the rank starts; the rank's own scan may still refuse some)."""
-    keys = []
+def stored_links(directory: str) -> dict[str, bytes | None]:
+    """Each chunk file's key and link (its parent's hash; None: not known), from the files' headers,
+    without changing anything: the chains a restarted engine's scheduler announces. A file whose header
+    does not check out is left out (the rank's own read refuses it too). One small read a file, about what
+    the rank's own scan costs (measured here, beside a running benchmark: 24 µs a file against the
+    scan's 33, from the page cache; 100,000 files in 2.4 s)."""
+    links: dict[str, bytes | None] = {}
     for entry in _walk(os.path.abspath(directory)):
-        if entry.name.endswith(SUFFIX):
-            keys.append(_key_of(directory, entry.path))
-    return keys
+        if not entry.name.endswith(SUFFIX):
+            continue
+        key = _key_of(directory, entry.path)
+        try:
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                head = os.read(fd, HEADER_BYTES + len(key.encode()) + MAX_LINK_BYTES)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue
+        parsed = _parse_head(memoryview(head), key)
+        if parsed is not None:
+            links[key] = parsed[0]
+    return links
 
 
-def _header(key: str, size: int, digest: int) -> bytes:
+def _header(key: str, link: bytes | None, size: int, digest: int) -> bytes:
     encoded = key.encode()
-    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, len(encoded), size, digest)
-    return head + _HEAD_SEAL.pack(xxhash.xxh3_64_intdigest(head + encoded)) + encoded
+    linked = link or b""
+    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, len(encoded), NO_LINK if link is None else len(link), size, digest)
+    return head + _HEAD_SEAL.pack(xxhash.xxh3_64_intdigest(head + encoded + linked)) + encoded + linked
+
+
+def _parse_head(view: memoryview, key: str) -> tuple[bytes | None, int, int, int] | None:
+    """A file's header checked against `key` (the start of the file is enough): (link, where the value
+    starts, its bytes, its digest), or None when anything about it is off."""
+    if len(view) < _HEADER_BYTES_V2:
+        return None
+    magic, version = struct.unpack_from("<4sH", view, 0)
+    if magic != MAGIC:
+        return None
+    encoded = key.encode()
+    link: bytes | None = None
+    if version == VERSION and len(view) >= HEADER_BYTES:
+        _, _, header_bytes, key_bytes, link_bytes, size, digest = _HEAD.unpack_from(view, 0)
+        head_size, expected_header = _HEAD.size, HEADER_BYTES
+        stored_link = 0 if link_bytes == NO_LINK else link_bytes
+    elif version == 2:
+        _, _, header_bytes, key_bytes, size, digest = _HEAD_V2.unpack_from(view, 0)
+        head_size, expected_header, link_bytes, stored_link = _HEAD_V2.size, _HEADER_BYTES_V2, NO_LINK, 0
+    else:
+        return None
+    start = expected_header + key_bytes
+    if header_bytes != expected_header or key_bytes != len(encoded) or len(view) < start + stored_link:
+        return None
+    (head_seal,) = _HEAD_SEAL.unpack_from(view, head_size)
+    if view[expected_header:start] != encoded:
+        return None
+    if head_seal != xxhash.xxh3_64_intdigest(view[:head_size].tobytes() + encoded + view[start : start + stored_link]):
+        return None
+    if link_bytes != NO_LINK:
+        link = view[start : start + stored_link].tobytes()
+    return link, start + stored_link, size, digest
 
 
 def _check(data: np.ndarray, key: str) -> np.ndarray | None:
     """The value of a whole chunk file read into `data`, or None when anything about it is off."""
-    if data.size < HEADER_BYTES:
-        return None
     view = data.data
-    magic, version, header_bytes, key_bytes, size, digest = _HEAD.unpack_from(view, 0)
-    if magic != MAGIC or version != VERSION or header_bytes != HEADER_BYTES:
+    parsed = _parse_head(view, key)
+    if parsed is None:
         return None
-    encoded = key.encode()
-    if key_bytes != len(encoded) or data.size != HEADER_BYTES + key_bytes + size:
+    _, start, size, digest = parsed
+    if data.size != start + size or xxhash.xxh3_64_intdigest(view[start:]) != digest:
         return None
-    (head_seal,) = _HEAD_SEAL.unpack_from(view, _HEAD.size)
-    stored_key = view[HEADER_BYTES : HEADER_BYTES + key_bytes].tobytes()
-    if stored_key != encoded or head_seal != xxhash.xxh3_64_intdigest(view[: _HEAD.size].tobytes() + encoded):
-        return None
-    if xxhash.xxh3_64_intdigest(view[HEADER_BYTES + key_bytes :]) != digest:
-        return None
-    return data[HEADER_BYTES + key_bytes :]
+    return data[start:]
 
 
 def _key_of(directory: str, path: str) -> str:

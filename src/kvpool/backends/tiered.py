@@ -78,7 +78,8 @@ class TieredPool:
         self.write_queue_limit = WRITE_QUEUE_BYTES if write_queue_bytes is None else write_queue_bytes
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queue: deque[tuple[str, np.ndarray]] = deque()
+        self._queue: deque[tuple[str, np.ndarray, bytes | None]] = deque()  # (key, array, its link)
+        self._links: dict[str, bytes] = {}  # keys being put -> their parent hash, until queued
         self._pending: set[str] = set()  # queued or being written
         self._cancelled: set[str] = set()  # removed while pending: not written, or removed once written
         self._queued_bytes = 0
@@ -121,6 +122,19 @@ class TieredPool:
             end = start
         return results
 
+    def put_linked(self, keys: Sequence[str], values: Values, parents: Sequence[bytes | None]) -> list[Status]:
+        """`put`, each chunk's file keeping its parent's hash (the links a restart announces)."""
+        with self._lock:
+            for key, parent in zip(keys, parents):
+                if parent is not None:
+                    self._links[key] = parent
+        try:
+            return self.put(keys, values)
+        finally:
+            with self._lock:
+                for key in keys:
+                    self._links.pop(key, None)  # taken by `_offer` when queued; otherwise not needed
+
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         results = self.memory.get_into(keys, dests)
         contains = self.disk.contains
@@ -143,7 +157,7 @@ class TieredPool:
             self._queue.clear()
             self._cancelled.update(self._pending)
             self._queued_bytes = 0
-        for _, array in dropped:
+        for _, array, _ in dropped:
             self.memory.unpin(array)
         keys = set(self.disk.keys()) | set(self.memory.keys())
         self.disk.clear()
@@ -255,7 +269,7 @@ class TieredPool:
                     self._stats.writes_skipped += 1
                     continue
                 self.memory.pin(array)
-                self._queue.append((key, array))
+                self._queue.append((key, array, self._links.pop(key, None)))
                 self._pending.add(key)
                 self._queued_bytes += array.size
                 self._stats.writes_queued += 1
@@ -270,14 +284,14 @@ class TieredPool:
                     self._wake.wait()
                 if self._closed and not self._queue:
                     return
-                key, array = self._queue.popleft()
+                key, array, link = self._queue.popleft()
                 self._queued_bytes -= array.size
                 skip = key in self._cancelled
                 self._writing += 1
             status = Status.ERROR
             try:
                 if not skip:
-                    status = self.disk.write(key, [array])
+                    status = self.disk.write(key, [array], link)
             except Exception:
                 log.exception("disk tier: writing a chunk failed")
             finally:

@@ -13,7 +13,8 @@ Invariants:
   engine's thread (a memcpy) and is reported finished in the same step; with a disk tier below it,
   on the loader's threads (a disk read must never block the engine), reported a step later.
 - With a disk tier, the scheduler counts every rank's files before any rank reports (a restarted
-  engine hits from its first request); each rank's first report replaces that count.
+  engine hits from its first request) and announces them as chains (each file keeps its chunk's
+  parent); each rank's first report replaces that count.
 - An in-process (embedded) pool is put and loaded on the engine's thread, where the put is the copy;
   a remote one through host copies on the sender's and the loader's threads.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.backends.base import Backend
-from kvpool.backends.disk import stored_keys
+from kvpool.backends.disk import stored_links
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
@@ -128,8 +129,9 @@ def _assume_disk_contents(index: PoolIndex, config: KVPoolConfig, plan: ModelPla
     directory hits from its first request); each rank's first report then replaces this."""
     spaces = [space for spaces in plan.lookup_namespaces() for space in spaces]
     for rank in range(plan.tp_size * plan.pp_size):
-        on_disk = stored_keys(config.disk_dir(rank))
-        report = PoolTracker(rank, spaces, on_disk, disk_only=on_disk).take_report()
+        links = stored_links(config.disk_dir(rank))  # each file's parent: the chains its events announce
+        on_disk = list(links)
+        report = PoolTracker(rank, spaces, on_disk, disk_only=on_disk, parents=list(links.values())).take_report()
         if report is not None:
             index.assume(report)
 

@@ -198,7 +198,7 @@ class PoolIndex:
             for h in report.stored.get(prefix, ()):
                 if present(h):
                     chains.extend(h, present)
-        for prefix, h in announced:
+        for prefix, h in _parents_first(announced, self._chains):
             # a chunk whose parent is not known (found in a pool an earlier engine filled) is not announced:
             # without its parent a router would take it for the start of a prompt
             link = self._chains[prefix].parent.get(h)
@@ -294,6 +294,26 @@ def _reconciled(report: PoolReport, assumed: dict[str, set[bytes]]) -> PoolRepor
         if gone := [h for h in before if h not in now]:
             dropped[prefix] = gone
     return PoolReport(report.rank, report.epoch, stored, dropped, report.parents, demoted=demoted, promoted=promoted)
+
+
+def _parents_first(chunks: list[tuple[str, bytes]], chains: dict[str, _Chains]) -> list[tuple[str, bytes]]:
+    """`chunks` with each one after its parent when both are among them (a router reading the events
+    needs a chunk's parent first): a restarted tier's files come in no order. O(len(chunks))."""
+    if len(chunks) < 2:
+        return chunks
+    pending = set(chunks)
+    ordered: list[tuple[str, bytes]] = []
+    for chunk in chunks:
+        line: list[tuple[str, bytes]] = []
+        while chunk in pending:  # up through the ancestors not placed yet
+            pending.discard(chunk)
+            line.append(chunk)
+            parent = chains[chunk[0]].parent.get(chunk[1])
+            if not parent:
+                break
+            chunk = (chunk[0], parent)
+        ordered.extend(reversed(line))
+    return ordered
 
 
 def _holder(held: dict[bytes, int], needed: int) -> Callable[[bytes], bool]:

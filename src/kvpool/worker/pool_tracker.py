@@ -24,7 +24,12 @@ class PoolTracker:
     whichever thread evicts."""
 
     def __init__(
-        self, rank: int, spaces: Sequence[KeySpace], pool_keys: Sequence[str], disk_only: Sequence[str] = ()
+        self,
+        rank: int,
+        spaces: Sequence[KeySpace],
+        pool_keys: Sequence[str],
+        disk_only: Sequence[str] = (),
+        parents: Sequence[bytes | None] | None = None,
     ) -> None:
         self.rank = rank
         self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
@@ -36,7 +41,9 @@ class PoolTracker:
         self._tier_changed: dict[str, bool] = {}  # key -> whether it was disk-only at the previous report
         self.epoch = 0
         self._first = True
-        self.stored(pool_keys)  # what the pool already holds (a pool outliving an earlier engine, its disk tier)
+        # what the pool already holds (a pool outliving an earlier engine, its disk tier), with the parents
+        # its files name
+        self.stored(pool_keys, parents)
         self.moved(disk_only, on_disk=True)
 
     def _split(self, key: str) -> tuple[str, bytes] | None:
