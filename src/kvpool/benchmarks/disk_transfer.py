@@ -9,9 +9,13 @@ chunks moved five ways through the same directory:
 * `raw_read`: that one file read back sequentially, a chunk's bytes a read, each into a new buffer
   (as the tier reads: a read owns its buffer);
 * `tier_read`: `DiskTier.read` of each chunk (magic, key, length and both checksums checked);
-* `tier_read_unchecked`: the same files read whole without the checks: what the seal check costs.
-Reads come from the page cache for both (it cannot be dropped on this machine): cached against cached.
-Files are removed between rounds, outside the timed calls.
+* `tier_read_unchecked`: the same files read whole without the checks: what the seal check costs;
+* `direct_write`, `direct_read`: the raw moves with `O_DIRECT` (page-aligned buffers): the device's
+  own bandwidth, past the page cache. No target: they are what the tier's choice of buffered I/O is
+  argued with (a re-read soon after a spill comes from memory at several times the device's speed).
+Buffered reads come from the page cache for both (it cannot be dropped on this machine): cached
+against cached. Files are removed between rounds, outside the timed calls. Where the file system
+refuses `O_DIRECT` (tmpfs), the direct rows are left out.
 
 Targets: `tier_write` ÷ `raw_write` and `tier_read` ÷ `raw_read` >= 0.8, as ratios paired by round with
 a 95% interval (`stats.ratio`); a verdict fails only when the whole interval misses.
@@ -19,6 +23,7 @@ a 95% interval (`stats.ratio`); a verdict fails only when the whole interval mis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -35,7 +40,9 @@ CHUNK_SIZES = (256 << 10, 2 << 20, 4 << 20)
 KEYS = 32
 ROUNDS = 7
 TARGET = 0.8
-SYSTEMS = ("raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked")
+SYSTEMS = ("raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked", "direct_write", "direct_read")
+DIRECT = ("direct_write", "direct_read")
+PAGE = 4096  # O_DIRECT wants buffers, lengths and offsets in multiples of the logical block: a page is enough
 PAIRS = (("tier_write", "raw_write"), ("tier_read", "raw_read"), ("tier_read_unchecked", "raw_read"))
 TARGETED = {"tier_write", "tier_read"}
 ALL_ARGS: dict[str, Any] = {"keys": KEYS, "rounds": 15}
@@ -55,6 +62,10 @@ class _Cell:
         self.values = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(keys)]
         self.keys = [_key(chunk_bytes, i) for i in range(keys)]
         self.raw_path = os.path.join(directory, "raw.bin")
+        self.direct_path = os.path.join(directory, "direct.bin")
+        self.aligned = [_aligned(chunk_bytes) for _ in range(keys)]
+        for copy, original in zip(self.aligned, self.values):
+            copy[:] = original
         self.chunk_bytes = chunk_bytes
         self.tier = DiskTier(os.path.join(directory, "tier"), 1 << 40)
 
@@ -69,6 +80,10 @@ class _Cell:
             self.tier.clear()
         if system == "raw_write" and os.path.exists(self.raw_path):
             os.unlink(self.raw_path)
+        if system == "direct_read" and not os.path.exists(self.direct_path):
+            self.direct_write()
+        if system == "direct_write" and os.path.exists(self.direct_path):
+            os.unlink(self.direct_path)
 
     def raw_write(self) -> None:
         fd = os.open(self.raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -105,6 +120,22 @@ class _Cell:
             finally:
                 os.close(fd)
 
+    def direct_write(self) -> None:
+        fd = os.open(self.direct_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            for value in self.aligned:
+                os.write(fd, value.data)
+        finally:
+            os.close(fd)
+
+    def direct_read(self) -> None:
+        fd = os.open(self.direct_path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            for _ in self.keys:
+                _read_all(fd, _aligned(self.chunk_bytes))
+        finally:
+            os.close(fd)
+
     def move(self, system: str) -> Callable[[], None]:
         move: Callable[[], None] = getattr(self, system)
         return move
@@ -121,16 +152,18 @@ def run(
     if keys < 1 or rounds < 2:
         raise ValueError(f"keys {keys}, rounds {rounds}: keys must be >= 1 and rounds >= 2 (an interval)")
     base = tempfile.mkdtemp(prefix="kvpool-disk-bench-", dir=directory or os.getcwd())
+    direct = _direct_supported(base)
     rows: list[dict[str, Any]] = []
     try:
         for chunk_bytes in chunk_sizes:
             cell = _Cell(base, chunk_bytes, keys)
-            seconds: dict[str, list[float]] = {system: [] for system in SYSTEMS}
-            for system in SYSTEMS:  # one untimed warm-up round
+            systems = SYSTEMS if direct and chunk_bytes % PAGE == 0 else tuple(s for s in SYSTEMS if s not in DIRECT)
+            seconds: dict[str, list[float]] = {system: [] for system in systems}
+            for system in systems:  # one untimed warm-up round
                 cell.prepare(system)
                 cell.move(system)()
             for index in range(rounds):
-                for system in rotation(SYSTEMS, index):
+                for system in rotation(systems, index):
                     cell.prepare(system)
                     start = time.perf_counter()
                     cell.move(system)()
@@ -159,10 +192,39 @@ def run(
     return {
         "bench": "transfer",
         "backend": "disk",
-        "config": {"chunk_sizes": list(chunk_sizes), "keys": keys, "rounds": rounds, "io": "buffered (page cache)"},
+        "config": {
+            "chunk_sizes": list(chunk_sizes),
+            "keys": keys,
+            "rounds": rounds,
+            "io": "buffered (page cache)",
+            "direct": direct,
+        },
         "results": rows,
         "pass": not failed,
     }
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned buffer of `nbytes` (what O_DIRECT reads into and writes from)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE
+    return raw[start : start + nbytes]
+
+
+def _direct_supported(directory: str) -> bool:
+    path = os.path.join(directory, "probe.direct")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            os.write(fd, _aligned(PAGE).data)
+        finally:
+            os.close(fd)
+        return True
+    except (OSError, AttributeError):  # EINVAL on tmpfs; no O_DIRECT outside Linux
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def to_markdown(result: dict[str, Any]) -> str:
@@ -172,7 +234,14 @@ def to_markdown(result: dict[str, Any]) -> str:
         mark = f" **{entry['verdict']}**" if "verdict" in entry else ""
         return f"{entry['estimate']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}]{mark}"
 
-    headers = ["chunk", "raw write GB/s", "tier write ÷ raw", "raw read GB/s", "tier read ÷ raw", "unchecked ÷ raw"]
+    def device(row: dict[str, Any], system: str) -> str:
+        entry = row["gbps"].get(system)
+        return f"{entry['estimate']:.2f}" if entry else "-"
+
+    headers = [
+        "chunk", "raw write GB/s", "tier write ÷ raw", "raw read GB/s", "tier read ÷ raw", "unchecked ÷ raw",
+        "O_DIRECT write GB/s", "O_DIRECT read GB/s",
+    ]  # fmt: skip
     rows = [
         [
             f"{row['chunk_bytes'] >> 10} KiB",
@@ -181,13 +250,16 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{row['gbps']['raw_read']['estimate']:.2f}",
             shown(row["ratios"]["tier_read"]),
             shown(row["ratios"]["tier_read_unchecked"]),
+            device(row, "direct_write"),
+            device(row, "direct_read"),
         ]
         for row in result["results"]
     ]
     config = result["config"]
     note = (
         f"- {config['keys']} chunks a batch, {config['rounds']} interleaved rounds, {config['io']}; ratios paired by "
-        f"round (geometric mean, 95% interval); target tier ÷ raw >= {TARGET} for writes and checked reads"
+        f"round (geometric mean, 95% interval); target tier ÷ raw >= {TARGET} for writes and checked reads; "
+        "O_DIRECT: the same raw moves past the page cache (the device's own bandwidth; no target)"
     )
     return markdown_table(headers, rows) + "\n\n" + note + "\n"
 
@@ -199,7 +271,10 @@ def plot(result: dict[str, Any], path: Any) -> None:
     with figure(path, ncols=1) as (_fig, axes):
         axis = axes[0]
         for system in SYSTEMS:
-            axis.plot(sizes, [row["gbps"][system]["estimate"] for row in result["results"]], "-o", label=system)
+            points = [(size, row["gbps"][system]["estimate"]) for size, row in zip(sizes, result["results"])
+                      if system in row["gbps"]]  # fmt: skip
+            if points:
+                axis.plot(*zip(*points), "-o", label=system)
         axis.set(title="disk tier vs sequential I/O (page cache)", xlabel="chunk KiB", ylabel="GB/s")
         axis.set_xscale("log")
         axis.legend(fontsize=7)
@@ -210,7 +285,8 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="disk tier ÷ the disk's sequential bandwidth (buffered, same run)")
-    for column in ("chunk", "raw write GB/s", "tier write", "raw read GB/s", "tier read", "read unchecked"):
+    columns = ("chunk", "raw write GB/s", "tier write", "raw read GB/s", "tier read", "unchecked", "O_DIRECT w / r")
+    for column in columns:
         table.add_column(column, justify="right")
     def cell(ratios: dict[str, Any], system: str) -> str:
         entry = ratios[system]
@@ -227,5 +303,6 @@ def print_table(result: dict[str, Any]) -> None:
             f"{gbps['raw_read']['estimate']:.2f}",
             cell(ratios, "tier_read"),
             cell(ratios, "tier_read_unchecked"),
+            " / ".join(f"{gbps[system]['estimate']:.2f}" if system in gbps else "-" for system in DIRECT),
         )
     Console().print(table)
