@@ -282,6 +282,44 @@ def test_a_read_stuck_in_a_hung_pool_is_given_up_and_never_lands(closing: list[W
     assert expected  # the pool did hold the chunks: only the hang failed the load
 
 
+def test_a_loads_host_buffers_are_reused_by_the_next_load_once_committed(closing: list[WorkerCore]) -> None:
+    """Fresh memory costs its page faults inside the read: the buffers a load read into are kept once its
+    bytes are committed, and the next load reads into them, with the right bytes each time."""
+    model, _, engine, hashes, expected = saved_prefix(closing)
+    buffers = engine.loads.loader.buffers
+    for reader in ("first", "second"):
+        tables = load_request(engine, model, reader, hashes, 0, 128)
+        assert engine.take_finished_loads() == {reader} and failed_blocks(engine) == set()
+        assert all(model.read(0, tables[0][c]) == expected[model.key(0, hashes, c)] for c in range(8))
+        assert buffers.kept_bytes > 0
+        engine.finish([reader])
+    assert buffers.reused >= 1
+
+
+def test_a_buffer_a_hung_read_still_holds_is_kept_only_once_the_read_returns(closing: list[WorkerCore]) -> None:
+    """A load given up while its read hangs leaves its buffer to the read: no other load is handed it
+    until the read has returned (it would write that load's bytes)."""
+    model, backend, engine, hashes, _ = saved_prefix(closing)
+    buffers = engine.loads.loader.buffers
+    release, entered = threading.Event(), threading.Event()
+    hold_reads(backend, release, entered)
+    tables = model.tables(144)
+    engine.apply([RequestDelta("hung", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=144)])
+    engine.apply([RequestDelta("hung", load=LoadSpec(0, 128))])
+    assert entered.wait(5)
+    backend.is_healthy = False
+    began = time.monotonic()
+    while not engine.take_finished_loads():
+        assert time.monotonic() - began < 2.0
+        time.sleep(0.01)
+    assert buffers.kept_bytes == 0, "given back while the read could still write it"
+    release.set()
+    began = time.monotonic()
+    while buffers.kept_bytes == 0:
+        assert time.monotonic() - began < 5.0, "the buffer was never kept after its read returned"
+        time.sleep(0.01)
+
+
 def test_loads_queued_behind_reads_stuck_in_a_hung_pool_are_failed_with_them(closing: list[WorkerCore]) -> None:
     """More loads than call threads, every read stuck: once the pool reports itself unhealthy, the
     running and the queued loads are all reported failed, and none lands when the reads return."""

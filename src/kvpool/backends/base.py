@@ -146,7 +146,8 @@ class Backend(Protocol):
         ...
 
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
-        """Copy each stored value into its destination pieces."""
+        """Copy each stored value into its destination pieces. Nothing writes `dests` once this returns
+        (a read given up on lands in memory of its own): the loader reuses its buffers on that."""
         ...
 
     def remove(self, keys: Sequence[str]) -> int:

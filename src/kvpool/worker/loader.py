@@ -36,6 +36,7 @@ import numpy as np
 from kvpool.backends.base import Backend, Rows, Status
 from kvpool.core.chunks import ChunkRef
 from kvpool.worker.cuda_runtime import Event
+from kvpool.worker.host_buffers import HostBuffers
 from kvpool.worker.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ log = logging.getLogger("kvpool.loader")
 
 LoadDone = Callable[[str, list[ChunkRef]], None]  # (request, chunks that failed)
 Reads = list[tuple[int, list[int], Rows, list[Status]]]  # per group: (group, positions, rows, statuses)
+Batch = tuple[list[ChunkRef], Reads, list[np.ndarray]]  # a batch read: its chunks, reads, buffers taken
 HEALTH_POLL_S = 0.005  # how often the watchdog asks the pool whether a running load's call is stuck
 CALL_THREADS = 4
 
@@ -61,7 +63,7 @@ class _Load:
     committed: int = 0  # items[:committed] are settled (loaded or failed, in `failed`)
     failed: list[ChunkRef] = field(default_factory=list)
     settled: bool = False  # reported: nothing of this load may touch the engine's blocks any more
-    read: list[tuple[list[ChunkRef], Reads]] = field(default_factory=list)  # batches read, to commit in order
+    read: list[Batch] = field(default_factory=list)  # batches read, to commit in order
     reading: bool = True  # False: no more batches will be read; commit `read`, then settle
 
     def remaining_failed(self) -> list[ChunkRef]:
@@ -94,6 +96,7 @@ class Loader:
         self._closed = False
         self._calls: ThreadPoolExecutor | None = None
         self._watchdog: threading.Thread | None = None
+        self.buffers = HostBuffers()  # the host buffers reads own, touched once and reused
         if not sync:
             self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="kvpool-load-call")
             self._watchdog = threading.Thread(target=self._watch, name="kvpool-load-watch", daemon=True)
@@ -140,22 +143,28 @@ class Loader:
                 if not self.backend.healthy():
                     break
                 part = items[offset : offset + self.batch_chunks]
+                taken: list[np.ndarray] = []
                 try:
-                    reads = self._read(layout, part)
+                    reads = self._read(layout, part, taken)
                 except Exception:
                     # this batch and the ones not tried are unloaded; earlier batches did load
                     log.exception("get of %d chunks failed; their blocks will be recomputed", len(part))
+                    self._give(taken)  # the call returned (it raised): nothing writes them any more
                     break
                 offset += len(part)
                 with load.lock:
                     if load.settled:
                         log.warning("the pool stopped answering a read of %d chunks; they were recomputed", len(part))
+                        self._give(taken)
                         return
                     if on_engine_thread:
-                        load.read.append((part, reads))
+                        load.read.append((part, reads, taken))
                     else:
-                        load.failed += self._commit(layout, part, reads, load.after)
-                        load.committed += len(part)
+                        try:
+                            load.failed += self._commit(layout, part, reads, load.after)
+                            load.committed += len(part)
+                        finally:
+                            self._give(taken)
         except Exception:
             log.exception("load of request %s failed; its blocks will be recomputed", load.req_id)
         finally:
@@ -177,39 +186,53 @@ class Loader:
         layout = self._layout()
         for load in loads:
             with load.lock:
+                batches, load.read = load.read, []
                 if load.settled:
+                    for _, _, taken in batches:
+                        self._give(taken)
                     continue
                 try:
                     assert layout is not None
-                    for part, reads in load.read:
+                    for part, reads, _ in batches:
                         load.failed += self._commit(layout, part, reads, load.after)
                         load.committed += len(part)
                 except Exception:
                     log.exception("commit of request %s's load failed; its blocks will be recomputed", load.req_id)
-                load.read.clear()
+                finally:
+                    for _, _, taken in batches:
+                        self._give(taken)
             self._settle(load)
 
-    def _read(self, layout: KVLayout, part: list[ChunkRef]) -> Reads:
+    def _read(self, layout: KVLayout, part: list[ChunkRef], taken: list[np.ndarray]) -> Reads:
         """One batch read, one backend call per KV cache group: (group, positions, rows, statuses).
-        Off the engine's thread into host buffers the load owns; in the caller, into the blocks."""
+        Off the engine's thread into host buffers the load owns (host memory: from `buffers`, each
+        appended to `taken`); in the caller, into the blocks."""
         by_group: dict[int, list[int]] = {}
         for position, item in enumerate(part):
             by_group.setdefault(item.group, []).append(position)
         owned = self._calls is not None
         if owned and not layout.staged and len(by_group) > 1 and len({layout.stored_nbytes(g) for g in by_group}) == 1:
-            return self._read_together(layout, part, by_group)
+            return self._read_together(layout, part, by_group, taken)
         reads = []
         for group, positions in by_group.items():
-            rows = layout.load_rows(group, [part[p].block_id for p in positions], owned=owned)
+            if owned and not layout.staged:
+                buffer = self.buffers.take(len(positions), layout.stored_nbytes(group))
+                taken.append(buffer)
+                rows = Rows((buffer,), np.arange(len(positions)))
+            else:
+                rows = layout.load_rows(group, [part[p].block_id for p in positions], owned=owned)
             statuses = self.backend.get_into([part[p].key for p in positions], rows)
             reads.append((group, positions, rows, statuses))
         return reads
 
-    def _read_together(self, layout: KVLayout, part: list[ChunkRef], by_group: dict[int, list[int]]) -> Reads:
+    def _read_together(
+        self, layout: KVLayout, part: list[ChunkRef], by_group: dict[int, list[int]], taken: list[np.ndarray]
+    ) -> Reads:
         """Every group's chunks in one backend call (host buffers, one chunk size: a hybrid model's
         groups): one host buffer, each group's reads a slice of it."""
         order = [position for positions in by_group.values() for position in positions]
-        buffer = np.empty((len(order), layout.stored_nbytes(part[0].group)), dtype=np.uint8)
+        buffer = self.buffers.take(len(order), layout.stored_nbytes(part[0].group))
+        taken.append(buffer)
         statuses = self.backend.get_into([part[p].key for p in order], Rows.checked((buffer,), np.arange(len(order))))
         reads = []
         start = 0
@@ -261,6 +284,11 @@ class Loader:
             else:
                 self._calls.submit(self.backend.remove, unusable)
         return failed
+
+    def _give(self, taken: list[np.ndarray]) -> None:
+        for buffer in taken:
+            self.buffers.give(buffer)
+        taken.clear()
 
     def _settle(self, load: _Load) -> None:
         """Report the load finished, its uncommitted chunks failed; only the first call does anything."""
