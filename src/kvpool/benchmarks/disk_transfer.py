@@ -10,6 +10,9 @@ chunks moved five ways through the same directory:
   (as the tier reads: a read owns its buffer);
 * `tier_read`: `DiskTier.read` of each chunk (magic, key, length and both checksums checked);
 * `tier_read_unchecked`: the same files read whole without the checks: what the seal check costs;
+* `pool_read`: the batch as a load takes it from the embedded pool with DRAM empty
+  (`TieredPool.get_into`): the files read and checked on the pool's read threads side by side, copied
+  into the load's own buffers, promoted into DRAM (no target: the whole path, on every core);
 * `direct_write`, `direct_read`: the raw moves with `O_DIRECT` (page-aligned buffers): the device's
   own bandwidth, past the page cache. No target: they are what the tier's choice of buffered I/O is
   argued with (a re-read soon after a spill comes from memory at several times the device's speed).
@@ -33,17 +36,26 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.backends.base import Status
 from kvpool.backends.disk import SUFFIX, DiskTier, _read_all
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.tiered import TieredPool
 from kvpool.benchmarks.stats import Verdict, ratio, rotation, spread, verdict
 
 CHUNK_SIZES = (256 << 10, 2 << 20, 4 << 20)
 KEYS = 32
 ROUNDS = 7
 TARGET = 0.8
-SYSTEMS = ("raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked", "direct_write", "direct_read")
+SYSTEMS = (
+    "raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked", "pool_read", "direct_write",
+    "direct_read",
+)  # fmt: skip
 DIRECT = ("direct_write", "direct_read")
 PAGE = 4096  # O_DIRECT wants buffers, lengths and offsets in multiples of the logical block: a page is enough
-PAIRS = (("tier_write", "raw_write"), ("tier_read", "raw_read"), ("tier_read_unchecked", "raw_read"))
+PAIRS = (
+    ("tier_write", "raw_write"), ("tier_read", "raw_read"), ("tier_read_unchecked", "raw_read"),
+    ("pool_read", "raw_read"),
+)  # fmt: skip
 TARGETED = {"tier_write", "tier_read"}
 ALL_ARGS: dict[str, Any] = {"keys": KEYS, "rounds": 15}
 TINY_ARGS: dict[str, Any] = {"chunk_sizes": (64 << 10,), "keys": 4, "rounds": 2}
@@ -68,12 +80,15 @@ class _Cell:
             copy[:] = original
         self.chunk_bytes = chunk_bytes
         self.tier = DiskTier(os.path.join(directory, "tier"), 1 << 40)
+        self.pool = TieredPool(MemoryBackend(2 * keys * chunk_bytes), self.tier)
 
     def prepare(self, system: str) -> None:
         """Untimed: what the move needs on disk (the reads read what the writes left)."""
-        if system.startswith("tier_read") and not self.tier.contains(self.keys[0]):
-            for key, value in zip(self.keys, self.values):
-                self.tier.write(key, [value])
+        if system.startswith("tier_read") or system == "pool_read":
+            if not self.tier.contains(self.keys[0]):
+                for key, value in zip(self.keys, self.values):
+                    self.tier.write(key, [value])
+            self.pool.memory.clear()  # what the last pool read promoted
         if system == "raw_read" and not os.path.exists(self.raw_path):
             self.raw_write()
         if system == "tier_write":
@@ -109,6 +124,14 @@ class _Cell:
         for key in self.keys:
             if isinstance(self.tier.read(key), int):
                 raise RuntimeError(f"disk tier read of {key} failed")
+
+    def pool_read(self) -> None:
+        dests = [[np.empty(self.chunk_bytes, dtype=np.uint8)] for _ in self.keys]
+        if any(status is not Status.OK for status in self.pool.get_into(self.keys, dests)):
+            raise RuntimeError("a pool read from the disk tier failed")
+
+    def close(self) -> None:
+        self.pool.shutdown(5.0)
 
     def tier_read_unchecked(self) -> None:
         root = self.tier.directory
@@ -184,6 +207,7 @@ def run(
                     entry["verdict"] = verdict(interval, TARGET, at_most=False).value
                 row["ratios"][system] = entry
             rows.append(row)
+            cell.close()
             shutil.rmtree(base, ignore_errors=True)
             os.makedirs(base, exist_ok=True)
     finally:
@@ -240,7 +264,7 @@ def to_markdown(result: dict[str, Any]) -> str:
 
     headers = [
         "chunk", "raw write GB/s", "tier write ÷ raw", "raw read GB/s", "tier read ÷ raw", "unchecked ÷ raw",
-        "O_DIRECT write GB/s", "O_DIRECT read GB/s",
+        "pool read ÷ raw", "O_DIRECT write GB/s", "O_DIRECT read GB/s",
     ]  # fmt: skip
     rows = [
         [
@@ -250,6 +274,7 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{row['gbps']['raw_read']['estimate']:.2f}",
             shown(row["ratios"]["tier_read"]),
             shown(row["ratios"]["tier_read_unchecked"]),
+            shown(row["ratios"]["pool_read"]),
             device(row, "direct_write"),
             device(row, "direct_read"),
         ]
@@ -259,6 +284,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     note = (
         f"- {config['keys']} chunks a batch, {config['rounds']} interleaved rounds, {config['io']}; ratios paired by "
         f"round (geometric mean, 95% interval); target tier ÷ raw >= {TARGET} for writes and checked reads; "
+        "pool read: a load's whole path from disk (read threads, copy, promotion); "
         "O_DIRECT: the same raw moves past the page cache (the device's own bandwidth; no target)"
     )
     return markdown_table(headers, rows) + "\n\n" + note + "\n"
@@ -285,7 +311,10 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title="disk tier ÷ the disk's sequential bandwidth (buffered, same run)")
-    columns = ("chunk", "raw write GB/s", "tier write", "raw read GB/s", "tier read", "unchecked", "O_DIRECT w / r")
+    columns = (
+        "chunk", "raw write GB/s", "tier write", "raw read GB/s", "tier read", "unchecked", "pool read",
+        "O_DIRECT w / r",
+    )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     def cell(ratios: dict[str, Any], system: str) -> str:
@@ -303,6 +332,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{gbps['raw_read']['estimate']:.2f}",
             cell(ratios, "tier_read"),
             cell(ratios, "tier_read_unchecked"),
+            cell(ratios, "pool_read"),
             " / ".join(f"{gbps[system]['estimate']:.2f}" if system in gbps else "-" for system in DIRECT),
         )
     Console().print(table)
