@@ -167,6 +167,23 @@ def test_clear_during_a_put_keeps_the_accounting() -> None:
     assert pool.stats().used_bytes == len(present) * 100
 
 
+def test_adopted_arrays_are_stored_as_they_are_and_evict_like_puts() -> None:
+    """A disk hit promoted into DRAM keeps the read's own buffer: no copy, the same capacity and order."""
+    pool = MemoryBackend(capacity_bytes=300)
+    given = [np.full(100, i, dtype=np.uint8) for i in range(4)]
+    assert pool.adopt(["a", "b", "c"], given[:3]) == [Status.OK] * 3
+    assert pool.adopt(["d", "a"], [given[3], given[0]]) == [Status.OK, Status.OK]  # "a" was held: kept
+    assert stored_keys(pool, ["a", "b", "c", "d"]) == ["a", "b", "d"], "a chain tail went to make room"
+    dest = np.zeros(100, dtype=np.uint8)
+    assert pool.get_into(["d"], [[dest]]) == [Status.OK] and (dest == 3).all()
+    assert pool.stats().used_bytes == 300
+    assert pool.adopt(["huge"], [np.zeros(301, dtype=np.uint8)]) == [Status.FULL]
+    with pytest.raises(TypeError, match="1-D contiguous uint8"):
+        pool.adopt(["e"], [np.zeros((2, 50), dtype=np.uint8)])
+    given[3][:] = 9  # adopted, not copied: the pool holds this very buffer
+    assert pool.get_into(["d"], [[dest]]) == [Status.OK] and (dest == 9).all()
+
+
 def test_remove_and_clear() -> None:
     pool = MemoryBackend(1000)
     pool.put(["a", "b"], [value("a", 10), value("b", 10)])

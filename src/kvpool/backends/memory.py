@@ -70,6 +70,27 @@ class MemoryBackend:
             self._publish(published, [key for key, target in zip(keys, targets) if isinstance(target, np.ndarray)])
         return results
 
+    def adopt(self, keys: Sequence[str], arrays: Sequence[np.ndarray]) -> list[Status]:
+        """`put` of arrays the caller hands over, stored as they are: no copy (a disk hit promoted into
+        DRAM keeps the read's own buffer). The caller never writes them again; each is 1-D uint8."""
+        if len(keys) != len(arrays):
+            raise ValueError(f"adopt got {len(keys)} keys and {len(arrays)} arrays")
+        for array in arrays:
+            if array.ndim != 1 or array.dtype != np.uint8 or not array.flags.c_contiguous:
+                raise TypeError(f"adopt takes 1-D contiguous uint8 arrays, got {array.dtype} {array.shape}")
+        try:
+            targets = self._reserve_slots(keys, [array.size for array in arrays])
+        finally:
+            self._announce()
+        with self._lock:
+            for target in targets:
+                if isinstance(target, np.ndarray):  # a free array the copy would have used: still free
+                    self._free.setdefault(target.size, []).append(target)
+                    self._free_bytes += target.size
+        taken = [(key, array) for key, array, target in zip(keys, arrays, targets) if not isinstance(target, Status)]
+        self._publish(taken, [])
+        return [target if isinstance(target, Status) else Status.OK for target in targets]
+
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         if len(keys) != len(dests):
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
@@ -165,8 +186,9 @@ class MemoryBackend:
     def close(self) -> None:
         """The embedded pool lives as long as the process; close keeps its contents."""
 
-    def _reserve(self, keys: Sequence[str], sizes: list[int]) -> list[np.ndarray | Status]:
-        """A target array per key to copy into, or the key's status when there is nothing to copy."""
+    def _reserve_slots(self, keys: Sequence[str], sizes: list[int]) -> list[np.ndarray | Status | None]:
+        """Room for each key (evicting): a free array to copy into, None (room, no array at hand), or the
+        key's status when there is nothing to store."""
         stats = self._stats
         with self._lock:
             targets = [self._reserve_one(key, size, stats) for key, size in zip(keys, sizes)]
@@ -174,6 +196,11 @@ class MemoryBackend:
             for key in reversed(keys):  # tail first, like every touch: the batch's head ends most recently used
                 if key in items:
                     items.move_to_end(key)
+        return targets
+
+    def _reserve(self, keys: Sequence[str], sizes: list[int]) -> list[np.ndarray | Status]:
+        """A target array per key to copy into, or the key's status when there is nothing to copy."""
+        targets = self._reserve_slots(keys, sizes)
         try:
             return [
                 np.empty(size, dtype=np.uint8) if target is None else target for target, size in zip(targets, sizes)

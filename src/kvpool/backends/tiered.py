@@ -355,7 +355,7 @@ class TieredPool:
             self._stats.promoted += len(promote)
         if promote:  # head to tail, as the caller asked: DRAM's put touches them tail first
             promoted = [key for key, _ in promote]
-            statuses = self.memory.put(promoted, [[value] for _, value in promote])
+            statuses = self.memory.adopt(promoted, [value for _, value in promote])  # the read's buffers: no copy
             self._moved([key for key, status in zip(promoted, statuses) if status is Status.OK], on_disk=False)
 
     # --- what leaves the pool ------------------------------------------------------------------

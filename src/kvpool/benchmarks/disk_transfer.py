@@ -12,7 +12,8 @@ chunks moved five ways through the same directory:
 * `tier_read_unchecked`: the same files read whole without the checks: what the seal check costs;
 * `pool_read`: the batch as a load takes it from the embedded pool with DRAM empty
   (`TieredPool.get_into`): the files read and checked on the pool's read threads side by side, copied
-  into the load's own buffers, promoted into DRAM (no target: the whole path, on every core);
+  into the load's buffer (one used before, as the loader's are), promoted into DRAM (arrays DRAM freed,
+  as in a pool at capacity). No target: the whole path, on every core;
 * `direct_write`, `direct_read`: the raw moves with `O_DIRECT` (page-aligned buffers): the device's
   own bandwidth, past the page cache. No target: they are what the tier's choice of buffered I/O is
   argued with (a re-read soon after a spill comes from memory at several times the device's speed).
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.backends.base import Status
+from kvpool.backends.base import Rows, Status
 from kvpool.backends.disk import SUFFIX, DiskTier, _read_all
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
@@ -81,6 +82,7 @@ class _Cell:
         self.chunk_bytes = chunk_bytes
         self.tier = DiskTier(os.path.join(directory, "tier"), 1 << 40)
         self.pool = TieredPool(MemoryBackend(2 * keys * chunk_bytes), self.tier)
+        self.load_buffer = np.zeros((keys, chunk_bytes), dtype=np.uint8)
 
     def prepare(self, system: str) -> None:
         """Untimed: what the move needs on disk (the reads read what the writes left)."""
@@ -88,7 +90,8 @@ class _Cell:
             if not self.tier.contains(self.keys[0]):
                 for key, value in zip(self.keys, self.values):
                     self.tier.write(key, [value])
-            self.pool.memory.clear()  # what the last pool read promoted
+            # what the last pool read promoted leaves DRAM as an eviction would: its arrays are reused
+            self.pool.memory.remove(self.keys)
         if system == "raw_read" and not os.path.exists(self.raw_path):
             self.raw_write()
         if system == "tier_write":
@@ -126,7 +129,8 @@ class _Cell:
                 raise RuntimeError(f"disk tier read of {key} failed")
 
     def pool_read(self) -> None:
-        dests = [[np.empty(self.chunk_bytes, dtype=np.uint8)] for _ in self.keys]
+        # into one buffer used before, as the loader reads (`HostBuffers`): fresh memory would time page faults
+        dests = Rows((self.load_buffer,), np.arange(len(self.keys)))
         if any(status is not Status.OK for status in self.pool.get_into(self.keys, dests)):
             raise RuntimeError("a pool read from the disk tier failed")
 
