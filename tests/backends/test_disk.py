@@ -88,6 +88,17 @@ def test_chunks_evicted_from_dram_are_read_back_from_disk_byte_for_byte(tmp_path
     assert read(pool, 99)[0] is Status.MISSING
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_writer_runs_at_the_lowest_cpu_priority_and_the_engine_thread_keeps_its_own(tmp_path, pools) -> None:
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pool = tiered(tmp_path, dram_chunks=4)
+    pools.append(pool)
+    pool.put([key(0)], [[value(0)]])
+    assert pool.flush(10.0)
+    assert pool.writer_nice == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own, "only the writer's thread"
+
+
 def test_a_put_never_waits_for_the_disk_and_a_full_queue_skips_the_write(tmp_path, pools, monkeypatch) -> None:
     disk = DiskTier(str(tmp_path), 1 << 30)
     gate = threading.Event()

@@ -5,7 +5,9 @@ Invariants:
   and hands the stored array to a writer thread of its own: the array is pinned, so an eviction
   meanwhile drops it instead of reusing it for another value, and the file always holds the bytes
   the key was put with. The queue is bounded in bytes (`write_queue_bytes`); a put finding it full is
-  not written (counted: `writes_skipped`), never waited for.
+  not written (counted: `writes_skipped`), never waited for. The writer runs at the lowest CPU
+  priority (nice 19, its own thread's on Linux): it takes only CPU the engine leaves idle, so a write
+  load beyond that fills the queue and skips writes instead of slowing the engine's steps.
 - The disk tier holds a superset of what the writer got through (write-behind of every put, not only
   of evictions): a DRAM eviction costs nothing, and an engine that stops (or is killed) leaves its
   pool on disk up to the writes still queued.
@@ -93,6 +95,7 @@ class TieredPool:
         disk.on_evicted = self._disk_dropped
         memory.on_stored = self._offer
         memory.add_listener(self._memory_dropped)
+        self.writer_nice: int | None = None  # the writer's CPU priority once it runs (None: left as it was)
         self._writer = threading.Thread(target=self._write_behind, name="kvpool-disk-write", daemon=True)
         self._writer.start()
 
@@ -278,6 +281,7 @@ class TieredPool:
                 self._wake.notify_all()
 
     def _write_behind(self) -> None:
+        self.writer_nice = _lowest_priority()
         while True:
             with self._wake:
                 while not self._queue and not self._closed:
@@ -390,6 +394,19 @@ class TieredPool:
 
 _shared: dict[str, TieredPool] = {}
 _shared_lock = threading.Lock()
+
+
+def _lowest_priority() -> int | None:
+    """Give the calling thread the lowest CPU priority (nice 19; on Linux a thread's own): the writer
+    then only takes CPU the engine leaves idle. Under a write load the engine leaves no room for, the
+    queue fills and writes are skipped (counted), rather than steps slowed."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except (AttributeError, OSError):
+        log.debug("disk tier: the writer keeps its CPU priority (setpriority is not available here)")
+        return None
 
 
 def shared_tiered_pool(
