@@ -42,6 +42,28 @@ def test_the_suite_writes_results_tables_plots_and_the_reports_generated_parts(t
     assert set(summary["verdicts"]) == {"lookup", "transfer-memory"}
 
 
+def test_a_report_brought_together_from_several_runs_names_each_results_run(tmp_path: Path) -> None:
+    """Results of runs made apart (a `--long` serve run in one session, the rest in another, even on
+    another machine) make one report: each result records its commit, size and machine, and
+    `--report-only` rewrites the report from them, running nothing."""
+    out = tmp_path / "results"
+    report = tmp_path / "BENCHMARKS.md"
+    suite.run(suite.select(["lookup"]), out_dir=out, report=report, tiny=True)
+    measured = json.loads((out / "lookup.json").read_text())["measured"]
+    assert set(measured) == set(suite.MEASURED) and measured["cores"] >= 1
+    other = json.loads((out / "lookup.json").read_text())
+    other.update(commit="abc1234", size="long", measured={**measured, "cpu": "Another CPU", "date": "2026-01-02"})
+    (out / "lookup.json").write_text(json.dumps(other))
+    done = CliRunner().invoke(app, ["bench", "all", "--report-only", "--out", str(out), "--report", str(report)])
+    assert done.exit_code == 0, done.output
+    text = report.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `lookup.json`"))
+    assert "2026-01-02" in row and "`abc1234`" in row and "--long" in row and "Another CPU" in row, row
+    assert "embedded lookup p99" in text, "the bench's own tables are kept"
+    refused = CliRunner().invoke(app, ["bench", "all", "--report-only", "--long"])
+    assert refused.exit_code == 2 and "runs nothing" in refused.output
+
+
 def test_an_unknown_bench_is_named_with_the_choices() -> None:
     with pytest.raises(ValueError, match=r"'nope'.*store-path"):
         suite.select(["nope"])

@@ -25,6 +25,7 @@ from typing import Any
 
 RESULTS_DIR = Path("benchmarks") / "results"
 REPORT = Path("BENCHMARKS.md")
+MEASURED = ("date", "cpu", "cores", "memory_gib")  # what each result records of where it was measured
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ def run(
         result.setdefault("elapsed_s", round(time.perf_counter() - began, 1))
         result.setdefault("commit", machine["commit"])
         result.setdefault("size", machine["size"])
+        result.setdefault("measured", {key: machine[key] for key in MEASURED})
         (out_dir / f"{bench.name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         (out_dir / f"{bench.name}.md").write_text(reporter.to_markdown(result))
         reporter.plot(result, out_dir / f"{bench.name}.png")
@@ -222,9 +224,10 @@ def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine
     versions = ", ".join(f"{name} {v}" for name, v in machine["versions"].items())
     blocks = {
         "machine": (
-            f"Measured {machine['date']} at commit `{machine['commit']}`{size}: {machine['cpu']}, "
+            f"This report written {machine['date']} at commit `{machine['commit']}`{size}: {machine['cpu']}, "
             f"{machine['cores']} cores, {machine['memory_gib']} GiB, {machine['os']}, Python {machine['python']}; "
-            f"{versions}. No GPU."
+            f"{versions}. No GPU. Each bench's figures come from its own run, which its result file records:\n\n"
+            + _provenance(out_dir)
         ),
         "commands": "```bash\n"
         + "make setup                       # .venv with vLLM's and Mooncake's CPU builds\n"
@@ -240,6 +243,39 @@ def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine
     for name, body in blocks.items():
         text = _replace_block(text, name, body, bench_title=_title(name))
     report.write_text(text)
+
+
+def _provenance(out_dir: Path) -> str:
+    """A table of where and when each bench's result in `out_dir` was measured, from its JSON."""
+    from kvpool.benchmarks.report import markdown_table
+
+    rows = []
+    for bench in BENCHES:
+        path = out_dir / f"{bench.name}.json"
+        if not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        measured = result.get("measured") or {}
+        where = (
+            f"{measured['cpu']}, {measured['cores']} cores, {measured['memory_gib']} GiB"
+            if {"cpu", "cores", "memory_gib"} <= measured.keys()
+            else "not recorded"
+        )
+        size = result.get("size", "")
+        rows.append([
+            f"`{path.name}`", measured.get("date", "not recorded"), f"`{result.get('commit', 'not recorded')}`",
+            "--long" if size == "long" else "--quick" if size == "quick" else size or "not recorded", where,
+        ])  # fmt: skip
+    return markdown_table(["result", "measured", "commit", "size", "machine"], rows)
+
+
+def regenerate(report: Path = REPORT, out_dir: Path = RESULTS_DIR) -> None:
+    """Rewrite the report's generated parts from the results already in `out_dir`, running nothing
+    (results of several runs, even on several machines, brought together: each names its own)."""
+    benches = [bench for bench in BENCHES if (out_dir / f"{bench.name}.md").exists()]
+    machine = describe_machine()
+    machine["size"] = ""
+    update_report(report, benches, out_dir, machine, tiny=False)
 
 
 def _verdict_lines(out_dir: Path) -> str:

@@ -273,6 +273,10 @@ def bench_all(
     quick: Annotated[
         bool, typer.Option("--quick", help="2 rounds and fewer cells: a first look in about half the time")
     ] = False,
+    report_only: Annotated[
+        bool,
+        typer.Option("--report-only", help="run nothing: rewrite the report from the results in --out"),
+    ] = False,
 ) -> None:
     """Every bench of the report: results, tables and plots into --out, and BENCHMARKS.md's generated parts."""
     if long and quick:
@@ -282,6 +286,12 @@ def bench_all(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvpool.benchmarks import suite
+
+    if report_only:
+        if tiny or long or quick or only:
+            raise typer.BadParameter("--report-only runs nothing: no --tiny, --long, --quick or --only with it")
+        suite.regenerate(Path(report or "BENCHMARKS.md"), Path(out or "benchmarks/results"))
+        return
 
     try:
         benches = suite.select([part.strip() for part in only.split(",") if part.strip()])
