@@ -441,6 +441,12 @@ def test_a_restarted_tier_is_announced_as_chains_parents_first_from_the_links_it
     index.apply(rank.take_report())  # type: ignore[arg-type]
     moved = [(e.chunk_hash, e.stored, e.on_disk, e.parent) for e in index.take_events()]
     assert moved == [(hashes[2], False, True, None), (hashes[2], True, False, hashes[1])]
+    rank.stored([unlinked], [hashes[3]])  # the chunk without a link is saved again: now its parent is known
+    index.apply(rank.take_report())  # type: ignore[arg-type]
+    assert [(e.chunk_hash, e.stored, e.parent) for e in index.take_events()] == [(b"\x09" * 8, True, hashes[3])]
+    rank.stored([unlinked], [hashes[3]])
+    index.apply(rank.take_report())  # type: ignore[arg-type]
+    assert index.take_events() == [], "announced once"
 
 
 def test_files_of_the_previous_format_are_still_read_with_no_link(tmp_path) -> None:

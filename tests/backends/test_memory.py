@@ -182,6 +182,9 @@ def test_adopted_arrays_are_stored_as_they_are_and_evict_like_puts() -> None:
         pool.adopt(["e"], [np.zeros((2, 50), dtype=np.uint8)])
     given[3][:] = 9  # adopted, not copied: the pool holds this very buffer
     assert pool.get_into(["d"], [[dest]]) == [Status.OK] and (dest == 9).all()
+    # adopting into a full pool whose evictions freed arrays: what it holds, used and idle, stays within it
+    assert pool.adopt(["x", "y"], [np.zeros(100, dtype=np.uint8), np.zeros(100, dtype=np.uint8)]) == [Status.OK] * 2
+    assert pool.stats().used_bytes + pool._free_bytes <= pool.capacity_bytes
 
 
 def test_remove_and_clear() -> None:

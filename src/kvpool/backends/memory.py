@@ -79,14 +79,9 @@ class MemoryBackend:
             if array.ndim != 1 or array.dtype != np.uint8 or not array.flags.c_contiguous:
                 raise TypeError(f"adopt takes 1-D contiguous uint8 arrays, got {array.dtype} {array.shape}")
         try:
-            targets = self._reserve_slots(keys, [array.size for array in arrays])
+            targets = self._reserve_slots(keys, [array.size for array in arrays], take_free=False)
         finally:
             self._announce()
-        with self._lock:
-            for target in targets:
-                if isinstance(target, np.ndarray):  # a free array the copy would have used: still free
-                    self._free.setdefault(target.size, []).append(target)
-                    self._free_bytes += target.size
         taken = [(key, array) for key, array, target in zip(keys, arrays, targets) if not isinstance(target, Status)]
         self._publish(taken, [])
         return [target if isinstance(target, Status) else Status.OK for target in targets]
@@ -186,12 +181,14 @@ class MemoryBackend:
     def close(self) -> None:
         """The embedded pool lives as long as the process; close keeps its contents."""
 
-    def _reserve_slots(self, keys: Sequence[str], sizes: list[int]) -> list[np.ndarray | Status | None]:
-        """Room for each key (evicting): a free array to copy into, None (room, no array at hand), or the
-        key's status when there is nothing to store."""
+    def _reserve_slots(
+        self, keys: Sequence[str], sizes: list[int], take_free: bool = True
+    ) -> list[np.ndarray | Status | None]:
+        """Room for each key (evicting): a free array to copy into (`take_free`), None (room, no array
+        taken), or the key's status when there is nothing to store."""
         stats = self._stats
         with self._lock:
-            targets = [self._reserve_one(key, size, stats) for key, size in zip(keys, sizes)]
+            targets = [self._reserve_one(key, size, stats, take_free) for key, size in zip(keys, sizes)]
             items = self._items
             for key in reversed(keys):  # tail first, like every touch: the batch's head ends most recently used
                 if key in items:
@@ -211,7 +208,9 @@ class MemoryBackend:
             self._publish([], [key for key, target in zip(keys, targets) if not isinstance(target, Status)])
             raise
 
-    def _reserve_one(self, key: str, size: int, stats: BackendStats) -> np.ndarray | Status | None:
+    def _reserve_one(
+        self, key: str, size: int, stats: BackendStats, take_free: bool = True
+    ) -> np.ndarray | Status | None:
         """Under the lock. None: `size` bytes are reserved; the caller allocates them outside the lock."""
         if key in self._items:
             self._items.move_to_end(key)
@@ -231,7 +230,7 @@ class MemoryBackend:
             return Status.FULL  # the rest is held by puts still copying
         self._used += size
         self._pending[key] = size
-        reusable = self._free.get(size)
+        reusable = self._free.get(size) if take_free else None
         if reusable:
             self._free_bytes -= size
             return reusable.pop()

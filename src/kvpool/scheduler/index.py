@@ -187,14 +187,22 @@ class PoolIndex:
                 if self.track_events and count == needed and self._complete(prefix, h):
                     announced.append((prefix, h))
         self._count_disk(report.demoted, +1)
+        fresh = set(announced)
         for prefix in {*report.stored, *report.parents}:  # chains, once every count above has moved
             held = self._counts.get(prefix)
             if held is None:
                 continue
             chains, present = self._chains[prefix], _holder(held, needed)
             for h, parent in report.parents.get(prefix, {}).items():
-                if h in held and chains.link(h, parent):
+                if h not in held:
+                    continue
+                unknown_elsewhere = self.track_events and self._link_unknown(prefix, h)
+                if chains.link(h, parent):
                     chains.extend(h, present)
+                    if unknown_elsewhere and (prefix, h) not in fresh and present(h) and self._complete(prefix, h):
+                        # present before without a known parent, so never announced: it is now (a file of
+                        # the previous format, saved again by a request)
+                        announced.append((prefix, h))
             for h in report.stored.get(prefix, ()):
                 if present(h):
                     chains.extend(h, present)
@@ -205,13 +213,19 @@ class PoolIndex:
             if link is not None:
                 group = self._group_of[prefix]
                 self._events.append(PoolEvent(group, h, True, link or None, on_disk=self._on_disk(group, h)))
+        just_announced = {(self._group_of[prefix], h) for prefix, h in announced}
         for (group, h), was_on_disk in moving.items():
             link = self._chains[self.group_prefixes[group][0]].parent.get(h)
-            if was_on_disk is None or link is None or not self.present(group, [h])[0]:
+            if was_on_disk is None or link is None or (group, h) in just_announced or not self.present(group, [h])[0]:
                 continue  # announced (or withdrawn) above, or never announced
             if self._on_disk(group, h) != was_on_disk:
                 self._events.append(PoolEvent(group, h, False, on_disk=was_on_disk))
                 self._events.append(PoolEvent(group, h, True, link or None, on_disk=not was_on_disk))
+
+    def _link_unknown(self, prefix: str, chunk_hash: bytes) -> bool:
+        """No namespace of the chunk's group knows its parent (so no event has announced it)."""
+        prefixes = self.group_prefixes[self._group_of[prefix]]
+        return all(chunk_hash not in self._chains[other].parent for other in prefixes)
 
     def _count_disk(self, changes: dict[str, list[bytes]], step: int) -> None:
         for prefix, hashes in changes.items():
