@@ -3,6 +3,7 @@ damaged files recomputed, and loaded bytes that really reach the outputs."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from kvpool.integrations.vllm import local_worker
 from kvpool.testing.engine import engine, generate_greedy
 
 from .conftest import BLOCK, connector_config, random_prompts
+from .test_vllm_serve import EventSubscriber, per_block
 
 pytestmark = pytest.mark.vllm
 
@@ -29,8 +31,8 @@ def _pool(extra: dict) -> TieredPool:
     return pool
 
 
-def _run(model: Path, prompts: list[list[int]], config: dict) -> tuple[list, object]:
-    with engine(model, block_size=BLOCK, kv_transfer_config=config) as llm:
+def _run(model: Path, prompts: list[list[int]], config: dict, **engine_args: object) -> tuple[list, object]:
+    with engine(model, block_size=BLOCK, kv_transfer_config=config, **engine_args) as llm:
         results = generate_greedy(llm, prompts, MAX_TOKENS)
         worker = local_worker()
         assert worker is not None and worker.drain(30.0)
@@ -38,7 +40,11 @@ def _run(model: Path, prompts: list[list[int]], config: dict) -> tuple[list, obj
     return results, stats
 
 
-def test_hits_beyond_dram_and_after_a_restart_come_from_disk_with_identical_outputs(model_dir, pool_name, tmp_path):
+def test_hits_beyond_dram_and_after_a_restart_come_from_disk_with_identical_outputs(
+    model_dir, pool_name, tmp_path, monkeypatch
+):
+    """...and a restarted engine announces what its disk holds in its KV events, medium DISK, as the
+    chains vLLM's own events name (each file keeps its chunk's parent), a parent before its children."""
     model = model_dir("llama")
     extra = {
         "pool_name": pool_name,
@@ -65,11 +71,28 @@ def test_hits_beyond_dram_and_after_a_restart_come_from_disk_with_identical_outp
         assert [r.token_ids for r in beyond_dram] == baseline
 
         drop_shared_tiered_pools()  # the engine process restarts: DRAM is gone, the directory stays
-        restarted, stats = _run(model, prompts, config)
+        monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+        endpoint = f"ipc://{tmp_path / 'events'}"
+        subscriber = EventSubscriber(endpoint, "kv")
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+        try:
+            restarted, stats = _run(model, prompts, config, kv_events_config=events)
+            time.sleep(0.5)  # the last batch in flight
+        finally:
+            subscriber.close()
         assert [r.num_cached_tokens for r in restarted] == [256, 256, 256]
         assert stats.chunks_loaded == 12  # type: ignore[attr-defined]
         assert _pool(extra).tier_stats().disk_hits == 12
         assert [r.token_ids for r in restarted] == baseline
+        on_disk = [block for event in subscriber.of("BlockStored", "DISK") for block in per_block(event)]
+        own = {h: parent for event in subscriber.of("BlockStored", "GPU") for h, parent, _ in per_block(event)}
+        assert all(own[h] == parent for h, parent, _ in on_disk), (on_disk, own)
+        # the start's announcement comes first; chunks DRAM evicts again after their promotion follow it
+        start = on_disk[:12]
+        order = [h for h, _, _ in start]
+        assert len(set(order)) == 12 and set(order) == {h for h, _, _ in on_disk}
+        assert all(parent is None or order.index(parent) < order.index(h) for h, parent, _ in start)
+        assert sum(parent is None for _, parent, _ in start) == 3
 
         # random bytes under valid seals must change the outputs: the loads above really were used
         drop_shared_tiered_pools()
