@@ -185,12 +185,18 @@ def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path, harm) -> None:
     assert read(disk, 1)[0] is Status.OK
 
 
-def test_a_process_killed_in_the_middle_of_writes_leaves_only_whole_chunks(tmp_path) -> None:
+def _newest(directory: Path) -> int:
+    return max((int(path.name[: -len(SUFFIX)], 16) for path in files(directory)), default=-1)
+
+
+@pytest.mark.parametrize("capacity_chunks", [4096, 8], ids=["filling", "full: each write reuses an evicted file"])
+def test_a_process_killed_in_the_middle_of_writes_leaves_only_whole_chunks(tmp_path, capacity_chunks) -> None:
+    capacity = capacity_chunks * ((1 << 20) + 4096)
     script = textwrap.dedent(
         f"""
         import numpy as np, sys
         from kvpool.backends.disk import DiskTier
-        disk = DiskTier({str(tmp_path)!r}, 1 << 32)
+        disk = DiskTier({str(tmp_path)!r}, {capacity})
         print("ready", flush=True)
         i = 0
         while True:
@@ -202,20 +208,60 @@ def test_a_process_killed_in_the_middle_of_writes_leaves_only_whole_chunks(tmp_p
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 30
-        while len(files(tmp_path)) < 20 and time.monotonic() < deadline:
+        while _newest(tmp_path) < 20 and time.monotonic() < deadline:
             time.sleep(0.01)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(30)
-    disk = DiskTier(str(tmp_path), 1 << 32)
+    disk = DiskTier(str(tmp_path), capacity)
     written = disk.keys()
-    assert len(written) >= 20
+    assert len(written) >= min(20, capacity_chunks - 1)
     assert files(tmp_path, ".tmp") == []
     for name in written:
         i = int(name.rsplit("/", 1)[1], 16)
         got = disk.read(name)
         assert not isinstance(got, Status), f"chunk {i}: {got!r}"
         assert np.array_equal(got, value(i, 1 << 20))
+
+
+def test_a_full_tier_writes_each_chunk_over_the_file_it_evicts(tmp_path) -> None:
+    """The evicted file's pages and blocks are reused, not freed and allocated again; a shorter chunk
+    leaves no bytes of the longer one behind."""
+    file_bytes = HEADER_BYTES + len(key(0)) + CHUNK
+    tier = tmp_path / "tier"
+    disk = DiskTier(str(tier), 2 * file_bytes)
+    assert disk.write(key(0), [value(0)]) is Status.OK and disk.write(key(1), [value(1)]) is Status.OK
+    witness = tmp_path / "witness"  # a second name for key 0's file: it sees what is written into that file
+    os.link(disk._path(key(0)), witness)
+    assert disk.write(key(2), [value(2, CHUNK // 2)]) is Status.OK
+    assert witness.read_bytes() == Path(disk._path(key(2))).read_bytes()
+    assert os.path.getsize(disk._path(key(2))) == file_bytes - CHUNK // 2
+    assert read(disk, 0)[0] is Status.MISSING
+    status, got = read(disk, 2)
+    assert status is Status.OK and np.array_equal(got, value(2, CHUNK // 2))
+    assert sorted(disk.keys()) == [key(1), key(2)] and len(files(tier)) == 2
+    assert files(tier, ".tmp") == []
+
+
+def test_a_read_that_meets_its_file_reused_for_another_chunk_is_a_miss_not_damage(tmp_path, monkeypatch) -> None:
+    from kvpool.backends import disk as disk_module
+
+    file_bytes = HEADER_BYTES + len(key(0)) + CHUNK
+    disk = DiskTier(str(tmp_path), 2 * file_bytes)
+    disk.write(key(0), [value(0)])
+    disk.write(key(1), [value(1)])
+    real_read_all = disk_module._read_all
+
+    def evicted_while_open(fd: int, data: np.ndarray) -> int:
+        monkeypatch.setattr(disk_module, "_read_all", real_read_all)
+        assert disk.write(key(2), [value(2)]) is Status.OK  # evicts key 0: its open file now holds key 2
+        return real_read_all(fd, data)
+
+    monkeypatch.setattr(disk_module, "_read_all", evicted_while_open)
+    assert read(disk, 0)[0] is Status.MISSING
+    assert disk.stats().corrupt == 0
+    status, got = read(disk, 2)
+    assert status is Status.OK and np.array_equal(got, value(2))
 
 
 def test_a_full_disk_leaves_the_pool_serving_from_dram(tmp_path, pools, monkeypatch) -> None:

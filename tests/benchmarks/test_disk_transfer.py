@@ -11,6 +11,19 @@ from kvpool.benchmarks import disk_transfer
 from kvpool.ops.cli import app
 
 
+def test_the_full_tier_row_evicts_a_chunk_with_every_write_and_reuses_its_file(tmp_path) -> None:
+    cell = disk_transfer._Cell(str(tmp_path), 64 << 10, 4)
+    try:
+        for _ in range(3):
+            cell.prepare("tier_write_full")
+            cell.tier_write_full()
+        stats = cell.full_tier.stats()
+        assert stats.files == 4 and stats.writes == 16 and stats.evictions == 12  # a fill, then 3 batches
+        assert len(list((tmp_path / "full").rglob("*.kvc"))) == 4
+    finally:
+        cell.close()
+
+
 def test_the_disk_bench_times_every_move_and_states_each_target(tmp_path) -> None:
     result = disk_transfer.run(chunk_sizes=(64 << 10,), keys=4, rounds=2, directory=str(tmp_path))
     (row,) = result["results"]

@@ -26,6 +26,9 @@ Invariants:
   write the tier stops writing for `WRITE_BACKOFF_S` (a full disk is not retried per chunk).
 - Capacity is the sum of the files' sizes. Eviction takes the least recently used file; callers touch
   a prefix chain tail first, so its head ages last and a chain never loses its head before its tail.
+  A write that evicts reuses the evicted chunk's file: renamed to the new chunk's temporary name,
+  overwritten, renamed into place. A read that had the old file open then fails the key or digest
+  check; it answers MISSING (its file is no longer at its path), not CORRUPT.
 - Start-up rebuilds the index with one scan of the directory (the files are the manifest, so no
   second record can disagree with them), oldest modification first; files beyond the capacity are
   removed. Measured here: 13.5 µs a file (100,000 files in 1.3 s); files are at least a chunk each, so
@@ -34,7 +37,11 @@ Invariants:
 
 One file per chunk rather than slots in large files: a chunk is a block of every layer (hundreds of
 KiB to MiB at real sizes), so an open and a rename cost little against its bytes, eviction is an
-unlink with nothing to compact, and a rename gives an atomic publish without a journal. Buffered I/O
+unlink with nothing to compact, and a rename gives an atomic publish without a journal. What a file of
+its own did cost is the allocation: a new file's pages and blocks, freed again by the evicted file's
+unlink (a full tier writing 256 KiB chunks here: 94 µs a new file and 26 µs an unlink, against 51 µs
+overwriting an evicted file and 32 µs for the same bytes written in place into one file). Reusing the
+evicted file gives a full tier what slots would, and keeps the publish by rename. Buffered I/O
 (the page cache), not `O_DIRECT`: a chunk re-read soon after it spilled comes from memory, and values
 need no padding to 4 KiB.
 """
@@ -150,7 +157,7 @@ class DiskTier:
         except ValueError:
             log.warning("disk tier %s: key %r cannot name a file; not stored", self.directory, key)
             return Status.ERROR
-        self._make_room(file_bytes)
+        recycled = self._make_room(file_bytes)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -158,14 +165,18 @@ class DiskTier:
             for piece in pieces:
                 digest.update(piece)
             header = _header(key, link, size, digest.intdigest())
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = _open_for_write(tmp, recycled)
             try:
                 _write_all(fd, [header, *pieces])
+                if recycled is not None and recycled[1] > file_bytes:
+                    os.ftruncate(fd, file_bytes)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as error:
             _unlink(tmp)
+            if recycled is not None:
+                _unlink(recycled[0])
             with self._lock:
                 self._stats.write_errors += 1
             self._write_blocked_until = time.monotonic() + WRITE_BACKOFF_S
@@ -184,18 +195,23 @@ class DiskTier:
             self._stats.write_bytes += size
         return Status.OK
 
-    def _make_room(self, file_bytes: int) -> None:
-        gone: list[str] = []
+    def _make_room(self, file_bytes: int) -> tuple[str, int] | None:
+        """Evict least recently used files until `file_bytes` fit; the first of them is not removed
+        but handed back (its path and size) for the write to reuse."""
+        gone: list[tuple[str, int]] = []
         with self._lock:
             while self._files and self._used + file_bytes > self.capacity_bytes:
                 key, size = self._files.popitem(last=False)
                 self._used -= size
                 self._stats.evictions += 1
-                gone.append(key)
-        for key in gone:
+                gone.append((key, size))
+        if not gone:
+            return None
+        for key, _ in gone[1:]:
             _unlink(self._path(key))
-        if gone and self.on_evicted is not None:
-            self.on_evicted(gone)
+        if self.on_evicted is not None:
+            self.on_evicted([key for key, _ in gone])
+        return self._path(gone[0][0]), gone[0][1]
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -208,7 +224,8 @@ class DiskTier:
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
-                data = np.empty(os.fstat(fd).st_size, dtype=np.uint8)
+                opened = os.fstat(fd)
+                data = np.empty(opened.st_size, dtype=np.uint8)
                 got = _read_all(fd, data)
             finally:
                 os.close(fd)
@@ -221,6 +238,8 @@ class DiskTier:
             log.warning("disk tier %s: could not read a chunk (%s)", self.directory, error)
             return Status.ERROR
         value = _check(data[:got], key)
+        if value is None and not _same_file(path, opened):
+            return Status.MISSING  # evicted while read, its file reused for another chunk: not damage
         if value is None:
             log.warning("disk tier %s: a chunk file failed its checks and was removed", self.directory)
             self._forget([key], count_corrupt=True)
@@ -396,6 +415,28 @@ def _write_all(fd: int, pieces: list[Buffer]) -> None:
             first += 1
         if written:
             views[first] = views[first][written:]
+
+
+def _open_for_write(tmp: str, recycled: tuple[str, int] | None) -> int:
+    """A descriptor to write a chunk's file through under its temporary name: an evicted chunk's file
+    renamed there when there is one (it is overwritten in place: its pages and blocks are reused, where a
+    new file allocates them and the evicted one's unlink frees them again), else a new file."""
+    if recycled is not None:
+        try:
+            os.replace(recycled[0], tmp)
+            return os.open(tmp, os.O_WRONLY)
+        except OSError:  # removed meanwhile, or on another file system under the directory: a new one
+            _unlink(recycled[0])
+            _unlink(tmp)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+
+def _same_file(path: str, opened: os.stat_result) -> bool:
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _read_all(fd: int, data: np.ndarray) -> int:

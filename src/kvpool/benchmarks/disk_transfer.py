@@ -5,7 +5,9 @@ chunks moved five ways through the same directory:
 * `raw_write`: the batch's bytes written into one file, chunk after chunk (buffered, no fsync): the
   disk's sequential write bandwidth in the mode the tier writes (the page cache);
 * `tier_write`: `DiskTier.write` of each chunk (a file each: header, XXH3-64 of the bytes, a temporary
-  name renamed into place);
+  name renamed into place) into an empty tier, a new file each;
+* `tier_write_full`: the same into a tier at its capacity, each write evicting the least recently used
+  chunk and writing over its file (the state a tier stays in once it has filled);
 * `raw_read`: that one file read back sequentially, a chunk's bytes a read, each into a new buffer
   (as the tier reads: a read owns its buffer);
 * `tier_read`: `DiskTier.read` of each chunk (magic, key, length and both checksums checked);
@@ -21,8 +23,8 @@ Buffered reads come from the page cache for both (it cannot be dropped on this m
 against cached. Files are removed between rounds, outside the timed calls. Where the file system
 refuses `O_DIRECT` (tmpfs), the direct rows are left out.
 
-Targets: `tier_write` ÷ `raw_write` and `tier_read` ÷ `raw_read` >= 0.8, as ratios paired by round with
-a 95% interval (`stats.ratio`); a verdict fails only when the whole interval misses.
+Targets: `tier_write` and `tier_write_full` ÷ `raw_write`, `tier_read` ÷ `raw_read` >= 0.8, as ratios
+paired by round with a 95% interval (`stats.ratio`); a verdict fails only when the whole interval misses.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Rows, Status
-from kvpool.backends.disk import SUFFIX, DiskTier, _read_all
+from kvpool.backends.disk import HEADER_BYTES, SUFFIX, DiskTier, _read_all
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
 from kvpool.benchmarks.stats import Verdict, ratio, rotation, spread, verdict
@@ -48,16 +50,16 @@ KEYS = 32
 ROUNDS = 7
 TARGET = 0.8
 SYSTEMS = (
-    "raw_write", "tier_write", "raw_read", "tier_read", "tier_read_unchecked", "pool_read", "direct_write",
-    "direct_read",
+    "raw_write", "tier_write", "tier_write_full", "raw_read", "tier_read", "tier_read_unchecked", "pool_read",
+    "direct_write", "direct_read",
 )  # fmt: skip
 DIRECT = ("direct_write", "direct_read")
 PAGE = 4096  # O_DIRECT wants buffers, lengths and offsets in multiples of the logical block: a page is enough
 PAIRS = (
-    ("tier_write", "raw_write"), ("tier_read", "raw_read"), ("tier_read_unchecked", "raw_read"),
-    ("pool_read", "raw_read"),
+    ("tier_write", "raw_write"), ("tier_write_full", "raw_write"), ("tier_read", "raw_read"),
+    ("tier_read_unchecked", "raw_read"), ("pool_read", "raw_read"),
 )  # fmt: skip
-TARGETED = {"tier_write", "tier_read"}
+TARGETED = {"tier_write", "tier_write_full", "tier_read"}
 ALL_ARGS: dict[str, Any] = {"keys": KEYS, "rounds": 15}
 TINY_ARGS: dict[str, Any] = {"chunk_sizes": (64 << 10,), "keys": 4, "rounds": 2}
 
@@ -81,6 +83,10 @@ class _Cell:
             copy[:] = original
         self.chunk_bytes = chunk_bytes
         self.tier = DiskTier(os.path.join(directory, "tier"), 1 << 40)
+        # holds one batch exactly; two key sets take turns, so each timed write evicts a chunk of the other
+        file_bytes = HEADER_BYTES + len(self.keys[0].encode()) + chunk_bytes
+        self.full_tier = DiskTier(os.path.join(directory, "full"), keys * file_bytes)
+        self.full_sets = ([_key(chunk_bytes, keys + i) for i in range(keys)], self.keys)
         # a read deadline no loaded machine misses: the bench times reads, it does not fail them
         self.pool = TieredPool(MemoryBackend(2 * keys * chunk_bytes), self.tier, read_timeout_s=60.0)
         self.load_buffer = np.zeros((keys, chunk_bytes), dtype=np.uint8)
@@ -97,6 +103,9 @@ class _Cell:
             self.raw_write()
         if system == "tier_write":
             self.tier.clear()
+        if system == "tier_write_full" and not self.full_tier.contains(self.full_sets[1][0]):
+            for key, value in zip(self.full_sets[1], self.values):
+                self.full_tier.write(key, [value])
         if system == "raw_write" and os.path.exists(self.raw_path):
             os.unlink(self.raw_path)
         if system == "direct_read" and not os.path.exists(self.direct_path):
@@ -115,6 +124,11 @@ class _Cell:
     def tier_write(self) -> None:
         for key, value in zip(self.keys, self.values):
             self.tier.write(key, [value])
+
+    def tier_write_full(self) -> None:
+        for key, value in zip(self.full_sets[0], self.values):
+            self.full_tier.write(key, [value])
+        self.full_sets = self.full_sets[::-1]
 
     def raw_read(self) -> None:
         fd = os.open(self.raw_path, os.O_RDONLY)
@@ -270,14 +284,15 @@ def to_markdown(result: dict[str, Any]) -> str:
         return f"{entry['estimate']:.2f}" if entry else "-"
 
     headers = [
-        "chunk", "raw write GB/s", "tier write ÷ raw", "raw read GB/s", "tier read ÷ raw", "unchecked ÷ raw",
-        "pool read ÷ raw", "O_DIRECT write GB/s", "O_DIRECT read GB/s",
+        "chunk", "raw write GB/s", "tier write ÷ raw", "full tier write ÷ raw", "raw read GB/s", "tier read ÷ raw",
+        "unchecked ÷ raw", "pool read ÷ raw", "O_DIRECT write GB/s", "O_DIRECT read GB/s",
     ]  # fmt: skip
     rows = [
         [
             f"{row['chunk_bytes'] >> 10} KiB",
             f"{row['gbps']['raw_write']['estimate']:.2f}",
             shown(row["ratios"]["tier_write"]),
+            shown(row["ratios"]["tier_write_full"]) if "tier_write_full" in row["ratios"] else "-",
             f"{row['gbps']['raw_read']['estimate']:.2f}",
             shown(row["ratios"]["tier_read"]),
             shown(row["ratios"]["tier_read_unchecked"]),
@@ -291,6 +306,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     note = (
         f"- {config['keys']} chunks a batch, {config['rounds']} interleaved rounds, {config['io']}; ratios paired by "
         f"round (geometric mean, 95% interval); target tier ÷ raw >= {TARGET} for writes and checked reads; "
+        "full tier: each write evicts a chunk and writes over its file; "
         "pool read: a load's whole path from disk (read threads, copy, promotion); "
         "O_DIRECT: the same raw moves past the page cache (the device's own bandwidth; no target)"
     )
@@ -319,8 +335,8 @@ def print_table(result: dict[str, Any]) -> None:
 
     table = Table(title="disk tier ÷ the disk's sequential bandwidth (buffered, same run)")
     columns = (
-        "chunk", "raw write GB/s", "tier write", "raw read GB/s", "tier read", "unchecked", "pool read",
-        "O_DIRECT w / r",
+        "chunk", "raw write GB/s", "tier write", "full tier write", "raw read GB/s", "tier read", "unchecked",
+        "pool read", "O_DIRECT w / r",
     )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
@@ -336,6 +352,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{row['chunk_bytes'] >> 10} KiB",
             f"{gbps['raw_write']['estimate']:.2f}",
             cell(ratios, "tier_write"),
+            cell(ratios, "tier_write_full"),
             f"{gbps['raw_read']['estimate']:.2f}",
             cell(ratios, "tier_read"),
             cell(ratios, "tier_read_unchecked"),
