@@ -243,6 +243,18 @@ def test_a_full_tier_writes_each_chunk_over_the_file_it_evicts(tmp_path) -> None
     assert files(tier, ".tmp") == []
 
 
+def test_a_folder_removed_under_a_running_tier_is_made_again_by_the_next_write(tmp_path) -> None:
+    import shutil
+
+    disk = DiskTier(str(tmp_path / "tier"), 1 << 20)
+    assert disk.write(key(0), [value(0)]) is Status.OK
+    shutil.rmtree(tmp_path / "tier")  # an operator's wipe while the engine runs
+    assert disk.write(key(1), [value(1)]) is Status.OK
+    status, got = read(disk, 1)
+    assert status is Status.OK and np.array_equal(got, value(1))
+    assert read(disk, 0)[0] is Status.MISSING and disk.stats().write_errors == 0
+
+
 def test_a_read_that_meets_its_file_reused_for_another_chunk_is_a_miss_not_damage(tmp_path, monkeypatch) -> None:
     from kvpool.backends import disk as disk_module
 
