@@ -276,6 +276,38 @@ def test_a_read_that_meets_its_file_reused_for_another_chunk_is_a_miss_not_damag
     assert status is Status.OK and np.array_equal(got, value(2))
 
 
+def test_a_write_that_reuses_an_evicted_file_never_takes_one_another_write_just_put_in_place(
+    tmp_path, monkeypatch
+) -> None:
+    """A write that evicts chunk 0 reuses its file; a second write storing chunk 0 anew meanwhile must
+    not have its fresh file renamed away under it (the tier would list chunk 0 with no file): writes
+    take turns."""
+    from kvpool.backends import disk as disk_module
+
+    file_bytes = HEADER_BYTES + len(key(0)) + CHUNK
+    disk = DiskTier(str(tmp_path), 2 * file_bytes)
+    disk.write(key(0), [value(0)])
+    disk.write(key(1), [value(1)])
+    real_open = disk_module._open_for_write
+    second = threading.Thread(target=lambda: disk.write(key(0), [value(0)]))
+
+    def another_write_meanwhile(tmp: str, recycled: tuple[str, int] | None) -> int:
+        monkeypatch.setattr(disk_module, "_open_for_write", real_open)
+        second.start()  # stores chunk 0 again, evicted a moment ago: it waits for this write to end
+        second.join(0.5)
+        return real_open(tmp, recycled)
+
+    monkeypatch.setattr(disk_module, "_open_for_write", another_write_meanwhile)
+    assert disk.write(key(2), [value(2)]) is Status.OK  # evicts chunk 0, reusing its file
+    second.join(5)
+    assert not second.is_alive()
+    index = {key(i): i for i in range(3)}
+    for listed in sorted(disk.keys()):
+        status, got = read(disk, index[listed])
+        assert status is Status.OK and np.array_equal(got, value(index[listed])), listed
+    assert len(files(tmp_path)) == len(disk.keys()) and files(tmp_path, ".tmp") == []
+
+
 def test_a_full_disk_leaves_the_pool_serving_from_dram(tmp_path, pools, monkeypatch) -> None:
     pool = tiered(tmp_path, dram_chunks=2)
     pools.append(pool)

@@ -20,7 +20,9 @@ Invariants:
   any of them is a miss and is removed. The seal is the tier's own, whatever the DRAM tier's
   `integrity` (the value may end with that seal too: the tier stores it as bytes). No fsync: a crash
   of the process keeps what the kernel holds; a crash of the machine may leave a renamed file with
-  bytes that never reached the disk, which its digest refuses.
+  bytes that never reached the disk (its digest refuses them) or, where a reused file's overwrite
+  reached the disk and its renames did not, another chunk's whole file under a chunk's name (its key,
+  checked on every read, refuses it).
 - No file-system fault reaches the caller: a full disk, a read-only or vanished directory, an
   unreadable file answer a status (FULL, ERROR, MISSING, CORRUPT) and are counted; after a failed
   write the tier stops writing for `WRITE_BACKOFF_S` (a full disk is not retried per chunk).
@@ -98,15 +100,17 @@ class DiskStats:
 
 
 class DiskTier:
-    """Sealed chunk files under one directory, LRU by bytes. Thread-safe; every method may block on
-    the file system, so none runs on an engine's thread (the tiered pool calls it from threads of its
-    own)."""
+    """Sealed chunk files under one directory, LRU by bytes. Thread-safe (writes take turns: one
+    reuses the file another evicted, so two at once could rename each other's files); every method may
+    block on the file system, so none runs on an engine's thread (the tiered pool calls it from threads
+    of its own: one writer, several readers)."""
 
     def __init__(self, directory: str, capacity_bytes: int, *, on_evicted: Callable[[list[str]], None] | None = None):
         self.directory = os.path.abspath(directory)
         self.capacity_bytes = capacity_bytes
         self.on_evicted = on_evicted  # called with the keys the tier dropped (evicted, removed)
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # one write at a time (uncontended: the tier has one writer)
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._used = 0
         self._stats = DiskStats(capacity_bytes=capacity_bytes)
@@ -143,6 +147,10 @@ class DiskTier:
     def write(self, key: str, pieces: Sequence[Buffer], link: bytes | None = None) -> Status:
         """Store the concatenation of `pieces` under `key`, evicting older files to make room. `link`:
         the chunk's parent hash (b"": the first chunk of its chain; None: not known)."""
+        with self._write_lock:
+            return self._write(key, pieces, link)
+
+    def _write(self, key: str, pieces: Sequence[Buffer], link: bytes | None) -> Status:
         if key in self._files:
             return Status.OK
         if link is not None and len(link) > MAX_LINK_BYTES:
@@ -172,12 +180,11 @@ class DiskTier:
             try:
                 fd = _open_for_write(tmp, recycled)
             except FileNotFoundError:  # the folder was removed under a running tier: made again, once
-                self._folders.discard(folder)
                 os.makedirs(folder, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 _write_all(fd, [header, *pieces])
-                if recycled is not None and recycled[1] > file_bytes:
+                if recycled is not None and os.fstat(fd).st_size > file_bytes:  # its real size, not the index's
                     os.ftruncate(fd, file_bytes)
             finally:
                 os.close(fd)
@@ -235,7 +242,9 @@ class DiskTier:
             try:
                 opened = os.fstat(fd)
                 data = np.empty(opened.st_size, dtype=np.uint8)
-                got = _read_all(fd, data)
+                value = _check(data[: _read_all(fd, data)], key)
+                # asked while the file is open: once closed, its inode number may name a new file
+                reused = value is None and not _same_file(path, opened)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -246,8 +255,7 @@ class DiskTier:
                 self._stats.read_errors += 1
             log.warning("disk tier %s: could not read a chunk (%s)", self.directory, error)
             return Status.ERROR
-        value = _check(data[:got], key)
-        if value is None and not _same_file(path, opened):
+        if reused:
             return Status.MISSING  # evicted while read, its file reused for another chunk: not damage
         if value is None:
             log.warning("disk tier %s: a chunk file failed its checks and was removed", self.directory)
