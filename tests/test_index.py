@@ -67,6 +67,22 @@ def test_a_stored_event_names_its_chunks_parent_and_a_chunk_of_unknown_parent_is
     assert index.present(0, [chunk(9)]) == [True]  # still a hit for lookups
 
 
+def test_a_chunk_is_announced_with_the_link_any_rank_knows_when_the_rank_that_completes_it_does_not() -> None:
+    """TP 2: rank 0 saves chunk 2 knowing its parent; rank 1 already held it (a file of the previous
+    format: no parent) and reports it last. The chunk is announced, with the parent rank 0 knows."""
+    shards = [space(0, s) for s in (0, 1)]
+    index = PoolIndex([shards])
+    index.track_events = True
+    first = PoolTracker(0, [shards[0]], [])
+    first.stored([shards[0].key(chunk(1)), shards[0].key(chunk(2))], [b"", chunk(1)])
+    index.apply(first.take_report())  # type: ignore[arg-type]
+    second = PoolTracker(1, [shards[1]], [shards[1].key(chunk(2))])  # held before: parent unknown here
+    second.stored([shards[1].key(chunk(1))], [b""])
+    index.apply(second.take_report())  # type: ignore[arg-type]
+    assert index.present(0, [chunk(1), chunk(2)]) == [True, True]
+    assert index.take_events() == [PoolEvent(0, chunk(1), True, None), PoolEvent(0, chunk(2), True, chunk(1))]
+
+
 def test_a_tracker_reports_its_own_namespaces_once_and_what_the_pool_already_held() -> None:
     mine, other = space(0, 0), space(0, 1)
     pool = MemoryBackend(1 << 20)

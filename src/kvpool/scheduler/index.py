@@ -206,16 +206,16 @@ class PoolIndex:
             for h in report.stored.get(prefix, ()):
                 if present(h):
                     chains.extend(h, present)
-        for prefix, h in _parents_first(announced, self._chains):
+        for prefix, h in _parents_first(announced, self._group_of.__getitem__, self._link):
             # a chunk whose parent is not known (found in a pool an earlier engine filled) is not announced:
             # without its parent a router would take it for the start of a prompt
-            link = self._chains[prefix].parent.get(h)
+            group = self._group_of[prefix]
+            link = self._link(group, h)
             if link is not None:
-                group = self._group_of[prefix]
                 self._events.append(PoolEvent(group, h, True, link or None, on_disk=self._on_disk(group, h)))
         just_announced = {(self._group_of[prefix], h) for prefix, h in announced}
         for (group, h), was_on_disk in moving.items():
-            link = self._chains[self.group_prefixes[group][0]].parent.get(h)
+            link = self._link(group, h)
             if was_on_disk is None or link is None or (group, h) in just_announced or not self.present(group, [h])[0]:
                 continue  # announced (or withdrawn) above, or never announced
             if self._on_disk(group, h) != was_on_disk:
@@ -224,8 +224,17 @@ class PoolIndex:
 
     def _link_unknown(self, prefix: str, chunk_hash: bytes) -> bool:
         """No namespace of the chunk's group knows its parent (so no event has announced it)."""
-        prefixes = self.group_prefixes[self._group_of[prefix]]
-        return all(chunk_hash not in self._chains[other].parent for other in prefixes)
+        return self._link(self._group_of[prefix], chunk_hash) is None
+
+    def _link(self, group: int, chunk_hash: bytes) -> bytes | None:
+        """The chunk's parent as any namespace of its group knows it (b"": a chain's first chunk; None:
+        none knows it). Ranks learn links apart (one may hold a file of the previous format), so each
+        namespace may know a link the others do not."""
+        for prefix in self.group_prefixes[group]:
+            link = self._chains[prefix].parent.get(chunk_hash)
+            if link is not None:
+                return link
+        return None
 
     def _count_disk(self, changes: dict[str, list[bytes]], step: int) -> None:
         for prefix, hashes in changes.items():
@@ -310,23 +319,31 @@ def _reconciled(report: PoolReport, assumed: dict[str, set[bytes]]) -> PoolRepor
     return PoolReport(report.rank, report.epoch, stored, dropped, report.parents, demoted=demoted, promoted=promoted)
 
 
-def _parents_first(chunks: list[tuple[str, bytes]], chains: dict[str, _Chains]) -> list[tuple[str, bytes]]:
-    """`chunks` with each one after its parent when both are among them (a router reading the events
-    needs a chunk's parent first): a restarted tier's files come in no order. O(len(chunks))."""
+def _parents_first(
+    chunks: list[tuple[str, bytes]], group_of: Callable[[str], int], link: Callable[[int, bytes], bytes | None]
+) -> list[tuple[str, bytes]]:
+    """`chunks` (namespace, hash) with each one after its parent when both are among them (a router
+    reading the events needs a chunk's parent first): a restarted tier's files come in no order. A
+    parent is the group's (`link`: any namespace of it may be the one that knows). O(len(chunks))."""
     if len(chunks) < 2:
         return chunks
-    pending = set(chunks)
+    entries: dict[tuple[int, bytes], list[tuple[str, bytes]]] = {}
+    for entry in chunks:
+        entries.setdefault((group_of(entry[0]), entry[1]), []).append(entry)
+    pending = set(entries)
     ordered: list[tuple[str, bytes]] = []
-    for chunk in chunks:
-        line: list[tuple[str, bytes]] = []
-        while chunk in pending:  # up through the ancestors not placed yet
-            pending.discard(chunk)
-            line.append(chunk)
-            parent = chains[chunk[0]].parent.get(chunk[1])
+    for prefix, chunk_hash in chunks:
+        node = (group_of(prefix), chunk_hash)
+        line: list[tuple[int, bytes]] = []
+        while node in pending:  # up through the ancestors not placed yet
+            pending.discard(node)
+            line.append(node)
+            parent = link(*node)
             if not parent:
                 break
-            chunk = (chunk[0], parent)
-        ordered.extend(reversed(line))
+            node = (node[0], parent)
+        for placed in reversed(line):
+            ordered.extend(entries[placed])
     return ordered
 
 
