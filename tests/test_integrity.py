@@ -12,6 +12,7 @@ from kvpool.backends.memory import MemoryBackend
 from kvpool.core.chunks import ChunkRef
 from kvpool.core.config import Integrity
 from kvpool.core.errors import LayoutError
+from kvpool.worker.host_buffers import HostBuffers
 from kvpool.worker.integrity import SAMPLE_PAGE_BYTES, SEAL_BYTES, Sealer
 from kvpool.worker.layout import KVLayout
 from kvpool.worker.loader import Loader
@@ -146,3 +147,20 @@ def test_a_corrupt_chunk_is_a_failed_load_counted_and_dropped_from_the_pool():
     assert (stats.chunks_loaded, stats.chunks_load_failed, stats.chunks_corrupt) == (1, 1, 1)
     assert pool.exists(["k1", "k2"]) == [True, False]
     loader.close()
+
+
+@pytest.mark.parametrize("mode", SEALED)
+def test_a_reused_host_buffer_never_passes_its_last_chunk_off_as_a_row_the_pool_did_not_write(mode):
+    """A host buffer kept for the next load still holds the last load's sealed chunks: were a pool to
+    answer OK for a row it never wrote, that stale chunk must fail its seal, not load as the one asked."""
+    layout, _ = _layout(mode)
+    pool = MemoryBackend(1 << 24)
+    pool.put(["a", "b"], layout.save_rows(0, [1, 2]))
+    buffers = HostBuffers()
+    first = buffers.take(2, layout.stored_nbytes(0))
+    rows = Rows((first,), np.arange(2))
+    assert layout.verify(0, rows, pool.get_into(["a", "b"], rows)) == [Status.OK, Status.OK]
+    buffers.give(first)
+    again = buffers.take(2, layout.stored_nbytes(0))
+    assert buffers.reused == 1 and np.shares_memory(again, first)
+    assert layout.verify(0, Rows((again,), np.arange(2)), [Status.OK, Status.OK]) == [Status.CORRUPT] * 2

@@ -10,6 +10,11 @@ Invariant: a buffer is given back only once no read can still write it (the call
 has returned) and its bytes are committed or dropped, so a buffer is never held by two loads at once:
 a read that never returns (a hung pool) keeps its buffer for good. What is kept is bounded
 (`limit_bytes`); beyond it, buffers given back are let go.
+
+A kept buffer still holds the last load's chunks, each with its valid seal: were a pool ever to answer
+OK for a row it never wrote, that chunk would pass its check as the one asked for. So a buffer taken
+again has the last `SEAL_BYTES` of each row (where a seal is stored) zeroed: a stale row then fails
+its seal, as memory nobody wrote does (a few bytes a row).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
+from kvpool.worker.integrity import SEAL_BYTES
 
 DEFAULT_LIMIT_BYTES = 256 << 20
 
@@ -41,7 +48,9 @@ class HostBuffers:
                         del kept[index]
                         self._kept_bytes -= buffer.nbytes
                         self.reused += 1
-                        return buffer[:rows]
+                        taken = buffer[:rows]
+                        taken[:, max(0, nbytes - SEAL_BYTES) :] = 0
+                        return taken
         return np.empty((rows, nbytes), dtype=np.uint8)
 
     def give(self, buffer: np.ndarray) -> None:
