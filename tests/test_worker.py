@@ -21,6 +21,7 @@ from kvpool.core.masks import AttentionKind, ChunkedLocal, FullAttention, Slidin
 from kvpool.core.metadata import RequestDelta, StepMetadata
 from kvpool.core.plan import GroupPlacement
 from kvpool.worker.layout import KVLayout
+from kvpool.worker.save_put import FULL_RETRY_S
 from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 from worker_fakes import (
     BLOCK_BYTES,
@@ -275,63 +276,109 @@ def test_held_saves_from_before_a_reset_are_never_stored(closing: list[WorkerCor
     assert engine.stored_tokens("b") == 32
 
 
-def test_pressure_gate_drops_queued_saves_then_clears(closing: list[WorkerCore]) -> None:
+def test_chunks_a_full_pool_refused_are_put_again_once_it_had_time_to_evict(closing: list[WorkerCore]) -> None:
+    """Mooncake refuses a put into a full pool at once and evicts a moment later: the newest chunks of a
+    request that is already finished (no later save would retry them) still land."""
     model, backend, engine = simple(closing)
-    add_request(model, engine, "r", 256)
-    backend.gate = threading.Event()
-    backend.put_statuses = [Status.FULL]
-    engine.save_request("r", 32)
-    assert backend.put_entered.wait(5)  # the first job is inside put
+    _, _, expected = add_request(model, engine, "r", 64)
+    backend.put_statuses = [Status.FULL, Status.FULL]
     engine.save_request("r", 64)
-    engine.save_request("r", 96)
-    backend.gate.set()
+    engine.finish(["r"])
     assert engine.drain(5)
-    assert engine.under_pressure
-    assert engine.stats.pressure_events == 1
-    assert engine.stats.save_jobs_dropped == 2
-    assert len(backend.put_keys) == 2  # only the first job reached the pool
-    assert engine.stored_tokens("r") == 0
-    put_before = len(backend.put_keys)
-    engine.save_request("r", 128)  # re-plans from the stored mark: chunks 0..7
-    assert engine.drain(5)
+    assert backend.put_calls == 3 and engine.stats.full_retries == 2
+    assert engine.stats.chunks_put_failed == engine.stats.pressure_events == 0
     assert not engine.under_pressure
-    assert len(backend.put_keys) - put_before == 8
-    assert engine.stored_tokens("r") == 128
+    for key, value in expected.items():
+        assert backend.stored(key, len(value)) == value
 
 
-def test_pressure_drops_every_batch_queued_behind_the_full_put(closing: list[WorkerCore]) -> None:
+def test_a_pool_full_through_every_retry_engages_the_gate_and_what_is_queued_behind_is_still_put(
+    closing: list[WorkerCore],
+) -> None:
+    """The batches queued behind hold the newest chunks, which a pool evicting oldest first has room for
+    first: none is dropped; the first that lands whole ends the pressure."""
     model, backend, engine = simple(closing)
-    add_request(model, engine, "r", 256)
-    add_request(model, engine, "other", 256)
+    add_request(model, engine, "a", 64)
+    _, _, expected_b = add_request(model, engine, "b", 32)
     backend.gate = threading.Event()
-    backend.put_statuses = [Status.FULL]
-    engine.save_request("r", 32)
-    assert backend.put_entered.wait(5)
-    engine.save_request("r", 64)
-    engine.save_request("other", 32)  # a pool with no room has none for this either
+    backend.put_statuses = [Status.FULL] * (1 + len(FULL_RETRY_S))
+    engine.save_request("a", 64)
+    assert backend.put_entered.wait(5)  # a is inside its put
+    engine.save_request("b", 32)
     backend.gate.set()
     assert engine.drain(5)
-    assert engine.stats.save_jobs_dropped == 2
-    assert engine.stored_tokens("other") == engine.stored_tokens("r") == 0
-    assert engine.under_pressure and engine.stats.pressure_events == 1
-    engine.save_request("other", 32)  # the dropped range was never planned: retried
+    assert engine.stats.full_retries == len(FULL_RETRY_S) and engine.stats.pressure_events == 1
+    assert engine.stats.save_jobs_dropped == 0 and engine.stats.chunks_put_failed == 4
+    assert engine.stored_tokens("a") == 0 and engine.stored_tokens("b") == 32
+    assert not engine.under_pressure  # b landed whole: the pressure is over
+    for key, value in expected_b.items():
+        assert backend.stored(key, len(value)) == value
+    engine.save_request("a", 64)  # a's range was re-planned from what is stored: retried
     assert engine.drain(5)
-    assert engine.stored_tokens("other") == 32
-    assert not engine.under_pressure  # a put succeeded: the pressure is over
+    assert engine.stored_tokens("a") == 64
 
 
-def test_success_clears_pressure_for_other_requests(closing: list[WorkerCore]) -> None:
+def test_a_part_full_through_the_pauses_leaves_the_later_parts_of_the_call_tried(closing: list[WorkerCore]) -> None:
+    """One call puts several requests' chunks in parts; a part the pool still refuses does not cost the
+    parts after it (newer chunks, other requests, maybe finished), and each is counted once."""
+    model, backend, engine = simple(closing, config=WorkerConfig(put_batch_chunks=4))
+    add_request(model, engine, "a", 64)
+    _, _, expected_b = add_request(model, engine, "b", 64)
+    backend.put_statuses = [Status.FULL] * (1 + len(FULL_RETRY_S))
+    engine.save([RequestDelta("a", save_tokens=64), RequestDelta("b", save_tokens=64)])
+    assert engine.drain(5)
+    assert engine.stats.full_retries == len(FULL_RETRY_S) and engine.stats.chunks_put_failed == 4
+    assert engine.stored_tokens("a") == 0 and engine.stored_tokens("b") == 64
+    assert engine.under_pressure and engine.stats.pressure_events == 1  # the call was refused chunks
+    for key, value in expected_b.items():
+        assert backend.stored(key, len(value)) == value
+
+
+def test_a_call_of_many_parts_pauses_for_a_full_pool_no_longer_than_one_part_would(closing: list[WorkerCore]) -> None:
+    """The pauses are one budget per call: a merged backlog never waits them once per part."""
+    model, backend, engine = simple(closing, config=WorkerConfig(put_batch_chunks=4))
+    add_request(model, engine, "r", 256)  # 16 chunks: four parts
+    backend.put_statuses = [Status.FULL, None] * len(FULL_RETRY_S) + [Status.FULL]  # each part refused once
+    began = time.monotonic()
+    engine.save_request("r", 256)
+    assert engine.drain(5)
+    assert engine.stats.full_retries == len(FULL_RETRY_S) and backend.put_calls == 2 * len(FULL_RETRY_S) + 1
+    assert engine.stats.chunks_put_failed == 4  # the last part found the budget spent
+    assert time.monotonic() - began < sum(FULL_RETRY_S) + 1.0
+
+
+def test_under_pressure_a_refused_put_is_not_asked_again(closing: list[WorkerCore]) -> None:
+    """A pool that stayed full through the pauses gets one try per batch until a put lands whole: the
+    sender does not fall behind the engine by the pauses of every batch."""
     model, backend, engine = simple(closing)
     add_request(model, engine, "a", 64)
     add_request(model, engine, "b", 64)
-    backend.put_statuses = [Status.FULL]
+    backend.put_statuses = [Status.FULL] * (2 + len(FULL_RETRY_S))
     engine.save_request("a", 64)
     assert engine.drain(5)
     assert engine.under_pressure and engine.stats.pressure_events == 1
+    calls = backend.put_calls
+    engine.save_request("b", 64)
+    assert engine.drain(5)
+    assert backend.put_calls == calls + 1 and engine.stats.full_retries == len(FULL_RETRY_S)
+    assert engine.under_pressure and engine.stats.pressure_events == 1  # one episode, counted once
     engine.save_request("b", 64)
     assert engine.drain(5)
     assert not engine.under_pressure
     assert engine.stored_tokens("b") == 64 and engine.stored_tokens("a") == 0
+
+
+def test_a_put_inside_the_engine_step_is_never_paused_for_a_full_pool(closing: list[WorkerCore]) -> None:
+    """An in-process pool's put runs on the engine's thread (and such a pool evicts as it puts): a
+    refusal is final there, the engine never waits for room."""
+    model, backend, _ = simple(closing)
+    engine = model.engine(backend, config=WorkerConfig(sync_saves=True))
+    closing.append(engine)
+    add_request(model, engine, "r", 64)
+    backend.put_statuses = [Status.FULL]
+    engine.save_request("r", 64)
+    assert backend.put_calls == 1 and engine.stats.full_retries == 0
+    assert engine.under_pressure and engine.stats.chunks_put_failed == 4
 
 
 def test_failed_put_is_retried_by_the_next_save(closing: list[WorkerCore]) -> None:

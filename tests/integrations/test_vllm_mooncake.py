@@ -366,8 +366,9 @@ def test_a_chunk_damaged_in_mooncake_fails_its_seal_and_is_recomputed(llama, bas
 
 def test_pool_much_smaller_than_the_workload(llama, baseline, masters):
     """A 16 MiB pool (Mooncake's smallest segment: 128 chunks) under 468 chunks (58.5 MiB) of saves, the first
-    batch alone twice the pool: puts fail with NO_AVAILABLE_HANDLE (Mooncake evicts every 10 ms, slower than
-    a burst of puts fills it), the pressure gate engages, later puts succeed; no request notices."""
+    batch alone twice the pool: puts find it full (NO_AVAILABLE_HANDLE: Mooncake evicts every 10 ms, slower
+    than a burst of puts fills it) and are asked again once it evicted: most chunks are stored (the first
+    batch, twice the pool, cannot all be), and no request notices."""
     master = masters()
     segment = 16 << 20
     config = mooncake_connector(master, global_segment_size=segment)
@@ -378,15 +379,13 @@ def test_pool_much_smaller_than_the_workload(llama, baseline, masters):
             complete(results, prompts)
             assert_same_greedy(baseline[f"pressure{i}"], results)
             stats = settle(llm).stats
-            history.append((stats.chunks_put, stats.chunks_put_failed, stats.pressure_events))
-    puts = [entry[0] for entry in history]
-    pressured = [i for i, entry in enumerate(history) if entry[2] > 0]
-    assert pressured, f"the pressure gate never engaged: {history}"
-    assert history[-1][1] > 0, f"no put ever failed: {history}"
-    first = pressured[0]
-    assert first < len(history) - 1, f"pressure only in the last batch: cannot show it clears: {history}"
-    assert puts[-1] > puts[first], f"puts stopped after the gate engaged: {history}"
-    assert puts[-1] * CHUNK_BYTES > segment, f"no more was stored than the pool holds: {history}"
+            history.append((stats.chunks_put, stats.chunks_put_failed, stats.full_retries, stats.pressure_events))
+    chunks = sum(len(prompts) for prompts in PRESSURE) * (576 // BLOCK)
+    assert history[0][2] > 0, f"the pool never refused a put: {history}"
+    # a failed chunk of a running request is planned again by its next save: counted failed and stored
+    assert history[-1][0] + history[-1][1] >= chunks, f"a chunk was neither stored nor failed: {history}"
+    assert history[-1][0] * CHUNK_BYTES > 2 * segment, f"not even twice what the pool holds was stored: {history}"
+    assert history[-1][0] >= chunks * 3 // 4, f"retried puts still lost a quarter of the chunks: {history}"
 
 
 # ---------------------------------------------------------------------------------------------- TP

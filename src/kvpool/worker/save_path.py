@@ -9,8 +9,11 @@ every batch's ranges (`SavePlanner.end_ranges`), which moves their requests' mar
 an engine block after `save` returns (DESIGN invariant 1).
 
 Resets and pressure live here because they gate the stages: a batch carries the epoch it was taken
-in and is never stored after a reset; a put that finds the pool full sets the pressure gate, which
-drops what is queued (it would find no room either) until a batch lands whole again.
+in and is never stored after a reset; a put that finds the pool full is asked again after short
+pauses (`save_put.FULL_RETRY_S`: the pool may evict meanwhile), and one still refused sets the
+pressure gate: until a batch lands whole again, puts are tried once each, without the pauses (the
+sender must not fall behind a pool that stays full), and nothing queued is dropped (it holds the
+newest chunks, which a pool that evicts oldest first has room for first).
 
 Thread-safety: every planner call and every epoch or pressure change holds the worker's one lock
 (`lock`, shared with the load path, which reads the same request states).
@@ -31,7 +34,7 @@ from kvpool.worker.layout import KVLayout
 from kvpool.worker.pool_tracker import PoolTracker, PutTracker
 from kvpool.worker.save_batch import SaveBatch
 from kvpool.worker.save_plan import SavePlanner
-from kvpool.worker.save_put import put_batch
+from kvpool.worker.save_put import FULL_RETRY_S, put_batch
 from kvpool.worker.sender import Sender
 from kvpool.worker.stats import WorkerStats
 
@@ -77,7 +80,6 @@ class SavePath:
         self._pressure = False
         self.sender: Sender[SaveBatch] = Sender(
             self.store,
-            self._drop,
             buffer_bytes,
             enough_chunks=batch_chunks,
             linger_steps=linger_steps,
@@ -154,6 +156,7 @@ class SavePath:
             for batch in current:
                 self._retire(batch, results[first : first + len(batch.items)])
                 first += len(batch.items)
+            self._note_pressure(results)
 
     def _put(self, batch: SaveBatch) -> list[Status]:
         with self._lock:
@@ -168,6 +171,8 @@ class SavePath:
                 check_exists=self.check_exists,
                 batch_chunks=self.batch_chunks,
                 stats=self.stats,
+                # pauses only off the engine's thread (host copies), and not for a pool that stayed full
+                full_retry_s=FULL_RETRY_S if batch.captured is not None and not self._pressure else (),
             )
         finally:
             with self._lock:
@@ -193,12 +198,16 @@ class SavePath:
         batch.captured = None  # the host copies are done with
         with self._lock:
             self.planner.end_ranges(batch.ranges, results)
+
+    def _note_pressure(self, results: list[Status]) -> None:
+        """One call's outcome as a whole sets or ends the pressure (a call that stored some chunks and
+        was refused others is still pressure)."""
+        with self._lock:
             if Status.FULL in results:
                 if not self._pressure:
                     self.stats.pressure_events += 1
                 self._pressure = True
-                self.sender.drop_queued(self._seq)  # what is queued now would find no room either
-            elif self._pressure and batch.items and all(status is Status.OK for status in results):
+            elif self._pressure and results and all(status is Status.OK for status in results):
                 self._pressure = False
 
     # ---- resets ---------------------------------------------------------------------------------

@@ -4,10 +4,18 @@ One existence check for the whole batch (when the pool's `exists` is cheaper tha
 then one put per KV-cache group and `batch_chunks` chunks, from the batch's host copies or straight
 from the engine's blocks (an in-process pool, inside the step). A failed call leaves the items after
 it untried (ERROR): the planner re-plans their ranges as a whole when they are retired.
+
+A pool that answers "full" may have room a moment later: Mooncake's master evicts in the background
+(every 10 ms it frees about 15 % of the pool, oldest first), so a put that lands while it is full is
+refused at once although its chunks are the newest, the ones most worth keeping. Their request may be
+finished by then, so no later save retries them: the put itself asks again, after `full_retry_s`
+pauses, for the chunks refused as full (only off the engine's thread; the caller passes none under
+pressure, where the pool stayed full through them).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,12 +26,22 @@ from kvpool.worker.layout import KVLayout
 from kvpool.worker.save_batch import SaveBatch
 from kvpool.worker.stats import WorkerStats
 
+FULL_RETRY_S = (0.01, 0.04, 0.1)  # pauses before asking a full pool again: Mooncake's eviction polls every 10 ms
+
 
 def put_batch(
-    batch: SaveBatch, backend: Backend, layout: KVLayout, *, check_exists: bool, batch_chunks: int, stats: WorkerStats
+    batch: SaveBatch,
+    backend: Backend,
+    layout: KVLayout,
+    *,
+    check_exists: bool,
+    batch_chunks: int,
+    stats: WorkerStats,
+    full_retry_s: Sequence[float] = (),
 ) -> list[Status]:
-    """Store every item the pool does not hold; per item OK, or why not. A failed call leaves the
-    items after it untried (ERROR): the worker retries their ranges as a whole."""
+    """Store every item the pool does not hold; per item OK, or why not. Chunks refused as full are
+    put again after each pause of `full_retry_s` (one budget for the call) while any is refused. A
+    failed call leaves the items after it untried (ERROR): the worker retries their ranges as a whole."""
     batch.wait_copied()
     items = batch.items
     results = [Status.OK] * len(items)
@@ -39,18 +57,34 @@ def put_batch(
     elif batch.one_array:
         anyone = next(iter(batch.captured))
         together = lambda group: anyone  # noqa: E731 (every group's copies are in one array)
+
+    def put(members: list[int]) -> None:
+        statuses = per_group(
+            items, members, lambda group, some: _put(batch, backend, layout, group, some, stats), together
+        )
+        for index, status in zip(members, statuses):
+            results[index] = status
+
+    pauses = iter(full_retry_s)  # one budget for the whole call: a backlog never waits once per part
     for offset in range(0, len(todo), batch_chunks):
         part = todo[offset : offset + batch_chunks]
-        statuses = per_group(
-            items, part, lambda group, members: _put(batch, backend, layout, group, members, stats), together
-        )
-        for index, status in zip(part, statuses):
-            results[index] = status
-        if any(status is not Status.OK for status in statuses):
+        put(part)
+        while full := [index for index in part if results[index] is Status.FULL]:
+            pause = next(pauses, None)
+            if pause is None:
+                break
+            stats.full_retries += 1
+            time.sleep(pause)
+            put(full)
+        if any(results[index] not in (Status.OK, Status.FULL) for index in part):
+            # a failed call (not a full pool): the items after it are left untried, failed
             for index in todo[offset + batch_chunks :]:
                 results[index] = Status.ERROR
             break
+        # a part still refused as full: the later parts are tried once each (newer chunks; the pool evicts)
+    stats.chunks_put_failed += sum(status is not Status.OK for status in results)
     return results
+
 
 def _put(
     batch: SaveBatch, backend: Backend, layout: KVLayout, group: int, members: list[int], stats: WorkerStats
@@ -73,7 +107,6 @@ def _put(
     ok = statuses.count(Status.OK)
     stats.chunks_put += ok
     stats.bytes_put += ok * layout.chunk_nbytes(group)
-    stats.chunks_put_failed += len(statuses) - ok
     return statuses
 
 

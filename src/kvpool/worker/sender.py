@@ -13,8 +13,9 @@ for at most `linger_steps` engine steps and `linger_s` seconds (an engine that s
 gets its last chunks stored), or until `drain` or `close` asks for everything. Each call stores the
 batches taken together (`store(batches)`).
 
-When the pool answers "full", the batches queued behind that put are dropped instead of hammering a
-pool with no room; the next put that succeeds ends the pressure.
+When the pool answers "full", the batches queued behind that put are still put: they hold the newest
+chunks, a pool that evicts in the background (Mooncake) may have room for them, and one that has none
+refuses a put at once (Mooncake: ~20 µs). Whatever fails is retired as failed and re-planned.
 """
 
 from __future__ import annotations
@@ -42,13 +43,11 @@ T = TypeVar("T")
 
 class Sender(Generic[B]):
     """Runs `store(batches)` on its own thread for the batches it takes together, in submission order;
-    `drop(batch)` for batches it skips (pressure, close). Each accepted batch reaches exactly one of
-    them, once."""
+    each accepted batch reaches it exactly once."""
 
     def __init__(
         self,
         store: Callable[[list[B]], None],
-        drop: Callable[[B], None],
         buffer_bytes: int,
         name: str = "kvpool-sender",
         *,
@@ -58,7 +57,6 @@ class Sender(Generic[B]):
         linger_s: float = 0.0,
     ) -> None:
         self._store = store
-        self._drop = drop
         self.buffer_bytes = buffer_bytes
         self.enough_chunks = enough_chunks  # a call of this many chunks, or bytes, is not held back
         self.enough_bytes = enough_bytes
@@ -75,7 +73,6 @@ class Sender(Generic[B]):
         self._step = 0
         self._held_since = (0, 0.0)  # engine step and time the oldest queued batch came
         self._flush = 0  # drains waiting: send what is queued at once
-        self._dropped_through = -1  # queued batches up to this seq are dropped (pool pressure)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -111,11 +108,6 @@ class Sender(Generic[B]):
                 self._step += 1
                 if self._queued and self._step - self._held_since[0] == self.linger_steps:
                     self._wake.notify()  # only when it ends a linger: a wake-up is a thread switch
-
-    def drop_queued(self, through_seq: int) -> None:
-        """Batches with seq <= through_seq that have not started are dropped, not stored."""
-        with self._lock:
-            self._dropped_through = max(self._dropped_through, through_seq)
 
     def drain(self, timeout_s: float) -> bool:
         """Send what is queued now, and wait until every accepted batch is done; False on timeout."""
@@ -176,21 +168,15 @@ class Sender(Generic[B]):
                 taken = self._take()
                 if taken is None:
                     return
-                through = self._dropped_through
-            kept = [batch for batch in taken if batch.seq > through]
             try:
-                for batch in taken:
-                    if batch.seq <= through:
-                        self._safely(self._drop, batch)
-                if kept:
-                    self._safely(self._store, kept)
+                self._safely(self._store, taken)
             finally:
                 self._done(taken)
 
     @staticmethod
     def _safely(call: Callable[[T], None], arg: T) -> None:
-        """One call for a batch: what it raises is logged, and the batches after it still get theirs
-        (each accepted batch reaches store or drop once, or its ranges stay in flight forever)."""
+        """One call for the batches taken: what it raises is logged, and the batches after them still get
+        theirs (each accepted batch reaches store once, or its ranges stay in flight forever)."""
         try:
             call(arg)
         except Exception:

@@ -13,7 +13,8 @@ class WorkerStats:
     chunks_already_present: int = 0
     chunks_put: int = 0
     put_calls: int = 0  # backend put calls: a remote pool's cost is mostly per call
-    chunks_put_failed: int = 0
+    chunks_put_failed: int = 0  # chunks not stored, counted once each whatever the retries
+    full_retries: int = 0  # puts asked again because the pool answered full (it evicts in the background)
     chunks_unreadable: int = 0  # null or freed blocks: nothing to save
     bytes_put: int = 0
     bytes_captured: int = 0  # copied out of the engine's blocks for the sender

@@ -85,7 +85,9 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("chunks_save_failed", "chunks_put_failed", "Chunks whose store failed (pool full or backend error)."),
     MetricSpec("chunks_examined", "chunks_examined", "Chunks the store path examined (only new chunks)."),
-    MetricSpec("save_jobs_dropped", "save_jobs_dropped", "Save batches dropped (pool full, save buffer full, reset)."),
+    MetricSpec(
+        "save_jobs_dropped", "save_jobs_dropped", "Save batches dropped (save buffer full, pool unavailable, reset)."
+    ),
     MetricSpec("chunks_loaded", "chunks_loaded", "KV chunks loaded from the pool into engine blocks."),
     MetricSpec("bytes_loaded", "bytes_loaded", "Bytes of KV loaded from the pool."),
     MetricSpec("chunks_load_failed", "chunks_load_failed", "Chunks whose load failed (recomputed by the engine)."),
@@ -93,7 +95,12 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
         "chunks_corrupt", "chunks_corrupt", "Loaded chunks whose seal did not match their bytes (failed, recomputed)."
     ),
     MetricSpec("bytes_captured", "bytes_captured", "Bytes copied out of engine blocks in the step, for async puts."),
-    MetricSpec("pressure_events", "pressure_events", "Times the pool reported no room (saves paused)."),
+    MetricSpec(
+        "save_full_retries", "full_retries", "Puts asked again because the pool had no room (it evicts meanwhile)."
+    ),
+    MetricSpec(
+        "pressure_events", "pressure_events", "Times the pool still had no room (after retries off the engine thread)."
+    ),
 )
 BACKEND_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("pool_evictions", "evictions", "Chunks the embedded pool evicted (least recently used)."),
