@@ -9,6 +9,7 @@ every pool block as a root it could never match.
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import time
@@ -30,6 +31,7 @@ TOKEN_BYTES = 4 * 2 * 2 * 64 * 4  # tiny llama, float32
 CHUNK_BYTES = BLOCK * TOKEN_BYTES
 INSTANCE = 1
 SETTLE_S = 1.0  # the server publishes a step's events as it ends; the indexer applies them on its thread
+SUBSCRIBE_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,7 @@ def test_a_routers_overlap_score_equals_what_the_engine_then_serves(model_dir, i
         openai_server(model, kv_transfer_config=connector, **settings) as server,  # type: ignore[arg-type]
     ):
         indexer.register(INSTANCE, endpoint)
+        _until_subscribed(indexer, server)
         for prompt in prompts + pushers:
             server.complete(prompt, 4)
         scored, served = [], []
@@ -80,3 +83,21 @@ def test_a_routers_overlap_score_equals_what_the_engine_then_serves(model_dir, i
     assert any(tiers["cpu"] > tiers["gpu"] for tiers in scored), scored
     full = PROMPT_TOKENS // BLOCK * BLOCK
     assert full in served and any(0 < tokens < full for tokens in served), served  # whole and in part
+
+
+def _until_subscribed(indexer, server) -> None:
+    """Return once the indexer hears the engine's events. A ZMQ subscriber misses whatever is published
+    before its subscription reaches the publisher, and on a loaded machine that can take seconds after
+    `/register` answers (the likely cause of a CI run whose router knew none of the first five prompts and
+    every later one): send one-block probes, each new, until one is scored."""
+    deadline = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+    for attempt in itertools.count():
+        probe = random_prompts(1, BLOCK + 8, seed=900 + attempt)[0]
+        server.complete(probe, 1)
+        for _ in range(10):
+            if indexer.query(probe).get(INSTANCE, {}).get("longest_matched", 0) > 0:
+                return
+            time.sleep(0.2)
+        if time.monotonic() > deadline:
+            break
+    pytest.fail(f"the indexer heard no event in {SUBSCRIBE_TIMEOUT_S:.0f} s: {indexer.log_tail()}")
