@@ -120,6 +120,32 @@ def test_the_suite_and_the_cli_know_the_bench() -> None:
     assert outcome.exit_code == 2 and "nope" in outcome.output
 
 
+def test_the_disk_tier_is_judged_against_the_same_dram_alone_on_paired_rounds() -> None:
+    def row(system: str, round_index: int, ttft: float) -> dict[str, Any]:
+        return {
+            "system": system, "dataset": trace_report.DATASET, "concurrency": 4, "round": round_index,
+            "sent": 10, "completed": 10, "failed": 0, "ttft_mean_ms": ttft, "ttft_p50_ms": ttft, "output_tok_s": 50.0,
+        }  # fmt: skip
+
+    faster = [0.80, 0.82, 0.79, 0.81]  # the tier's TTFT, as a share of DRAM alone's, round by round
+    rows = [row("kvpool", i, 100.0 + 10 * i) for i in range(4)]
+    rows += [row("kvpool-disk", i, (100.0 + 10 * i) * share) for i, share in enumerate(faster)]
+    result = {"systems": ["kvpool", "kvpool-disk"], "workload": {"concurrencies": [4]}, "results": rows}
+    judged = [t for t in trace_report.summarize(result)["targets"] if t["system"] == "kvpool-disk"]
+    verdicts = {(t["against"], t["metric"]): t["verdict"] for t in judged}
+    assert verdicts == {
+        ("kvpool", "ttft_mean_ms"): "PASS",
+        ("kvpool", "ttft_p50_ms"): None,  # reported beside it
+        ("kvpool", "output_tok_s"): None,
+    }
+    mean = next(t for t in judged if t["metric"] == "ttft_mean_ms")["ratio"]
+    assert mean["low"] < 0.805 < mean["high"] < 1.0
+    slower = [dict(r, ttft_mean_ms=r["ttft_mean_ms"] * 1.5) if r["system"] == "kvpool-disk" else r for r in rows]
+    again = trace_report.summarize(dict(result, results=slower))["targets"]
+    assert next(t for t in again if t["system"] == "kvpool-disk" and t["metric"] == "ttft_mean_ms")["verdict"] == "FAIL"
+    assert "kvpool-disk" in trace.SYSTEMS and "kvpool-disk" not in trace.TINY_ARGS["systems"]
+
+
 # -- at a tiny size, against real servers ---------------------------------------------------------------
 
 
@@ -138,7 +164,7 @@ def test_every_system_serves_every_request_of_every_round(result: dict[str, Any]
     json.loads(json.dumps(result))
     workload = trace.TINY_ARGS["workload"]
     assert not result["failed"]
-    assert len(result["results"]) == len(trace.SYSTEMS) * workload.rounds * len(workload.concurrencies)
+    assert len(result["results"]) == len(trace.TINY_ARGS["systems"]) * workload.rounds * len(workload.concurrencies)
     for row in result["results"]:
         assert (row["sent"], row["completed"], row["failed"]) == (workload.requests,) * 2 + (0,), row
         assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0 and row["e2el_mean_ms"] >= row["ttft_mean_ms"] > 0

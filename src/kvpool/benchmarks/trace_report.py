@@ -9,6 +9,9 @@ at every concurrency:
   CPU seconds per request reported);
 * against `local` (vLLM's default: its own prefix cache, no connector): TTFT mean and p50 <= 1.0,
   output throughput >= 1.0: on a real chat workload a pool must pay for itself.
+For `kvpool-disk` (`serve_systems.TIER_SYSTEMS`): against `kvpool` with the same DRAM, TTFT mean < 1.0
+(the trace's working set outgrows the DRAM: a tier that does not turn its evictions into faster first
+tokens is not worth running), TTFT p50 and output throughput reported; the hit rates are in the table.
 Every other system's ratios to `local` are references, without a verdict.
 """
 
@@ -20,7 +23,7 @@ from typing import Any
 from kvpool.benchmarks.report import figure, markdown_table
 from kvpool.benchmarks.serve import POOL_HITS
 from kvpool.benchmarks.serve_report import Target, _error_bars, _lines, _series, _shown, judge
-from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE
+from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE, TIER_SYSTEMS
 from kvpool.benchmarks.stats import spread
 
 DATASET = "trace"  # every row's dataset, for `serve_report`'s pairing
@@ -105,8 +108,13 @@ def targets(result: dict[str, Any]) -> list[Target]:
             if "local" in systems:
                 why = "a pool pays for itself on real reuse"
                 out += [Target(system, "local", why, DATASET, c, m, 1.0, lower) for m, lower in JUDGED]
+        for system in TIER_SYSTEMS:
+            if system in systems and "kvpool" in systems:
+                why = "the same DRAM, a disk tier below it"
+                out.append(Target(system, "kvpool", why, DATASET, c, "ttft_mean_ms", 1.0))
+                out += [Target(system, "kvpool", why, DATASET, c, m, None) for m, _ in JUDGED[1:]]
         for system in result["systems"]:
-            if system not in KVPOOL_SYSTEMS and system != "local" and "local" in systems:
+            if system not in (*KVPOOL_SYSTEMS, *TIER_SYSTEMS) and system != "local" and "local" in systems:
                 out += [Target(system, "local", "reference", DATASET, c, m, None) for m, _ in JUDGED]
     return out
 
