@@ -64,6 +64,30 @@ def test_a_report_brought_together_from_several_runs_names_each_results_run(tmp_
     assert refused.exit_code == 2 and "runs nothing" in refused.output
 
 
+def test_a_result_whose_rounds_came_from_two_runs_names_each_run_with_its_rounds(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    report = tmp_path / "BENCHMARKS.md"
+    suite.run(suite.select(["lookup"]), out_dir=out, report=report, tiny=True)
+    result = json.loads((out / "lookup.json").read_text())
+    measured = result["measured"]
+    result["runs"] = [
+        {**measured, "commit": "aaa1111", "date": "2026-12-04", "first_round": 0, "last_round": 5},
+        {
+            **measured,
+            "commit": "bbb2222",
+            "date": "2026-12-05",
+            "cpu": "Another CPU",
+            "first_round": 6,
+            "last_round": 9,
+        },
+    ]
+    (out / "lookup.json").write_text(json.dumps(result))
+    suite.regenerate(report, out)
+    row = next(line for line in report.read_text().splitlines() if line.startswith("| `lookup.json`"))
+    assert "2026-12-04, 2026-12-05" in row and "`aaa1111` (rounds 1-6), `bbb2222` (rounds 7-10)" in row, row
+    assert "Another CPU" in row and measured["cpu"] in row, row
+
+
 def test_an_unknown_bench_is_named_with_the_choices() -> None:
     with pytest.raises(ValueError, match=r"'nope'.*store-path"):
         suite.select(["nope"])

@@ -44,11 +44,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvpool.benchmarks import serve_systems
+from kvpool.benchmarks.checkpoint import Checkpoint, Progress
 from kvpool.benchmarks.serve_report import plot, summarize, to_markdown
 from kvpool.benchmarks.stats import rotation
 from kvpool.testing.models import default_model_dir, make_tiny_model
@@ -62,6 +64,7 @@ KVPOOL_METRICS = "vllm:kvpool_"  # kvpool's own counters and gauges (kvpool.inte
 START_TIMEOUT_S = 300.0
 MIN_POOL_BYTES = 16 << 20  # a smaller Mooncake segment fails its setup
 UNSUPPORTED_TIMEOUT_S = 120.0
+STARTS_AT_ONCE = 2  # servers started together (`start_all`)
 DEGRADED_LOG_BYTES = 4 << 20
 
 
@@ -191,8 +194,13 @@ def run(
     systems: Sequence[str] = serve_systems.SYSTEMS,
     try_unsupported: bool = True,
     progress: Callable[[str], None] | None = None,
+    checkpoint: Path | None = None,
+    stamp: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
+    """`checkpoint`: a file the finished rounds are kept in, and the rounds an earlier run of the same
+    workload and systems left there are taken from (`checkpoint.py`; `stamp`: this run's commit and
+    machine, recorded beside its rounds)."""
     workload = replace(workload or Workload(), **overrides)
     for name in systems:
         if name not in serve_systems.SYSTEMS:
@@ -205,12 +213,24 @@ def run(
     token_bytes = _token_bytes(model, workload.dtype)
     started = time.perf_counter()
     seeds = _seeds(model, workload)
-    rows: list[dict[str, Any]] = []
-    probes: list[dict[str, Any]] = []
+    keeper = None
+    if checkpoint is not None:
+        key = {"bench": "serve", "workload": asdict(workload), "systems": list(systems), "model": str(model)}
+        keeper = Checkpoint(checkpoint, key, stamp)
+    earlier = keeper.load() if keeper is not None else Progress()
+    rows, probes = earlier.rows, earlier.probes
+    for name, why in earlier.failed.items():
+        tally.gave_up(name, why)
+    per_round = len(DATASETS) * len(workload.concurrencies) + 1
 
     with contextlib.ExitStack() as stack:
-        running = start_all(stack, systems, model, workload, token_bytes, tally.started, give_up)
-        for round_index in range(workload.rounds):
+        starting = [name for name in systems if name not in tally.failed]
+        running = start_all(stack, starting, model, workload, token_bytes, tally.started, give_up)
+        for round_index in range(earlier.rounds_done):
+            for name in running:
+                for _ in range(per_round):
+                    done(name, f"round {round_index + 1}: measured by an earlier run")
+        for round_index in range(earlier.rounds_done, workload.rounds):
             for name in rotation([name for name in systems if name in running], round_index):
                 system = running[name]
                 try:
@@ -226,6 +246,9 @@ def run(
                 except Exception as exc:
                     give_up(name, exc)
                     del running[name]
+            if keeper is not None:
+                earlier.failed = dict(tally.failed)
+                keeper.save(earlier, round_index)
     unsupported: dict[str, str] = {}
     if try_unsupported:
         for connector in serve_systems.UNSUPPORTED:
@@ -248,6 +271,8 @@ def run(
         "unsupported": unsupported,
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
+    if keeper is not None:
+        result["runs"] = earlier.runs  # every run that measured some of the rounds
     result["summary"] = summarize(result)
     return result
 
@@ -269,7 +294,10 @@ class Tally:
         self.done(name, "started")
 
     def give_up(self, name: str, exc: Exception) -> None:
-        self.failed[name] = f"{type(exc).__name__}: {_last_error_line(str(exc))}"
+        self.gave_up(name, f"{type(exc).__name__}: {_last_error_line(str(exc))}")
+
+    def gave_up(self, name: str, why: str) -> None:
+        self.failed[name] = why
         for _ in range(self.left[name]):
             self.done(name, "failed")
 
@@ -284,18 +312,38 @@ def start_all(
     failed: Callable[[str, Exception], None],
 ) -> dict[str, _Running]:
     """Start every system's server, warmed, until `stack` exits. A system that cannot run is passed to
-    `failed` (its server stopped at once) and the others still start."""
+    `failed` (its server stopped at once) and the others still start.
+
+    `STARTS_AT_ONCE` start together: a start is mostly three processes importing vLLM, one core each
+    (about 55 s a server on the 2-core machine, most of a tiny bench's time). The starting threads
+    live until `stack` exits, after the servers stop: a Mooncake master dies with the thread that
+    started it (`master.start_master`'s `die_with_parent`)."""
+
+    def start(name: str) -> tuple[contextlib.ExitStack, _Running]:
+        with contextlib.ExitStack() as own:  # a server that fails its warm-up stops at once
+            system = own.enter_context(_served(name, model, workload, token_bytes))
+            _warm(system.server, workload)
+            return own.pop_all(), system
+
+    starters = ThreadPoolExecutor(STARTS_AT_ONCE, thread_name_prefix="kvpool-start")
+    stack.callback(starters.shutdown)  # pushed first: runs once every server has stopped
+    futures = {name: starters.submit(start, name) for name in systems}
     running: dict[str, _Running] = {}
-    for name in systems:
-        try:
-            with contextlib.ExitStack() as own:  # a server that fails its warm-up stops at once
-                system = own.enter_context(_served(name, model, workload, token_bytes))
-                _warm(system.server, workload)
-                stack.push(own.pop_all())
+    try:
+        for name, future in futures.items():  # in order: `running` and the ticks keep the systems' order
+            try:
+                own, system = future.result()
+            except Exception as exc:  # a system that cannot run is reported, the others still are
+                failed(name, exc)
+                continue
+            stack.push(own)
             running[name] = system
             started(name)
-        except Exception as exc:  # a system that cannot run is reported, the others still are
-            failed(name, exc)
+    finally:  # interrupted: what still starts is awaited and stopped with the rest
+        for name, future in futures.items():
+            if name not in running and not future.cancel():
+                with contextlib.suppress(Exception):  # failed: reported above, or stopped already
+                    stack.push(future.result()[0])
     return running
 
 

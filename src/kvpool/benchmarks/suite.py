@@ -26,6 +26,9 @@ from typing import Any
 RESULTS_DIR = Path("benchmarks") / "results"
 REPORT = Path("BENCHMARKS.md")
 MEASURED = ("date", "cpu", "cores", "memory_gib")  # what each result records of where it was measured
+# `--long`: the serve bench keeps its finished rounds here (`checkpoint.py`), and a run cut short is
+# taken up by the next `kvpool bench all --long` (its rounds take longer than a session)
+PARTIAL_SUFFIX = ".partial.json"
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,11 @@ def run(
         module, reporter = bench.load()
         args = bench.arguments(tiny, long, quick)
         began = time.perf_counter()
+        partial = out_dir / f"{bench.name}{PARTIAL_SUFFIX}"
         if bench.name == "serve":
-            result = module.run(**args, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
+            stamp = {key: machine[key] for key in ("commit", *MEASURED)}
+            kept = {"checkpoint": partial, "stamp": stamp} if long else {}
+            result = module.run(**args, **kept, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
         else:
             tick(f"{bench.name}: running", 0)
             result = module.run(**args)
@@ -136,6 +142,7 @@ def run(
         (out_dir / f"{bench.name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
         (out_dir / f"{bench.name}.md").write_text(reporter.to_markdown(result))
         reporter.plot(result, out_dir / f"{bench.name}.png")
+        partial.unlink(missing_ok=True)  # its rounds are in the result now
         verdicts[bench.name] = _passed(result)
         if bench.name != "serve":
             tick(f"{bench.name}: done", 1)
@@ -255,18 +262,24 @@ def _provenance(out_dir: Path) -> str:
         if not path.exists():
             continue
         result = json.loads(path.read_text())
-        measured = result.get("measured") or {}
-        where = (
-            f"{measured['cpu']}, {measured['cores']} cores, {measured['memory_gib']} GiB"
-            if {"cpu", "cores", "memory_gib"} <= measured.keys()
-            else "not recorded"
-        )
+        runs = result.get("runs") or [{**(result.get("measured") or {}), "commit": result.get("commit")}]
+        when = sorted({run.get("date") or "not recorded" for run in runs})
+        commits = [f"`{run.get('commit') or 'not recorded'}`" for run in runs]
+        if len(runs) > 1:  # rounds kept across runs (`checkpoint.py`): each run with its rounds
+            commits = [f"{c} (rounds {r['first_round'] + 1}-{r['last_round'] + 1})" for c, r in zip(commits, runs)]
         size = result.get("size", "")
         rows.append([
-            f"`{path.name}`", measured.get("date", "not recorded"), f"`{result.get('commit', 'not recorded')}`",
-            "--long" if size == "long" else "--quick" if size == "quick" else size or "not recorded", where,
+            f"`{path.name}`", ", ".join(when), ", ".join(commits),
+            "--long" if size == "long" else "--quick" if size == "quick" else size or "not recorded",
+            "; ".join(dict.fromkeys(_where(run) for run in runs)),
         ])  # fmt: skip
     return markdown_table(["result", "measured", "commit", "size", "machine"], rows)
+
+
+def _where(measured: dict[str, Any]) -> str:
+    if {"cpu", "cores", "memory_gib"} <= measured.keys():
+        return f"{measured['cpu']}, {measured['cores']} cores, {measured['memory_gib']} GiB"
+    return "not recorded"
 
 
 def regenerate(report: Path = REPORT, out_dir: Path = RESULTS_DIR) -> None:
