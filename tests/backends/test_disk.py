@@ -22,7 +22,7 @@ import pytest
 import xxhash
 
 from kvpool.backends.base import Status
-from kvpool.backends.disk import HEADER_BYTES, MAGIC, SUFFIX, DiskTier, stored_links
+from kvpool.backends.disk import HEADER_BYTES, MAGIC, PAGE, SUFFIX, DiskTier, stored_links
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
@@ -291,11 +291,11 @@ def test_a_write_that_reuses_an_evicted_file_never_takes_one_another_write_just_
     real_open = disk_module._open_for_write
     second = threading.Thread(target=lambda: disk.write(key(0), [value(0)]))
 
-    def another_write_meanwhile(tmp: str, recycled: tuple[str, int] | None) -> int:
+    def another_write_meanwhile(tmp: str, recycled: tuple[str, int] | None, flags: int = 0) -> int:
         monkeypatch.setattr(disk_module, "_open_for_write", real_open)
         second.start()  # stores chunk 0 again, evicted a moment ago: it waits for this write to end
         second.join(0.5)
-        return real_open(tmp, recycled)
+        return real_open(tmp, recycled, flags)
 
     monkeypatch.setattr(disk_module, "_open_for_write", another_write_meanwhile)
     assert disk.write(key(2), [value(2)]) is Status.OK  # evicts chunk 0, reusing its file
@@ -551,3 +551,105 @@ def test_files_of_the_previous_format_are_still_read_with_no_link(tmp_path) -> N
     status, got = read(disk, 3)
     assert status is Status.OK and np.array_equal(got, data)
     assert stored_links(str(tmp_path)) == {key(3): None}
+
+
+# -- O_DIRECT -----------------------------------------------------------------------------------------
+
+
+def direct_tier(directory: Path, capacity: int = 1 << 30) -> DiskTier:
+    disk = DiskTier(str(directory), capacity, direct=True)
+    if not disk.direct:
+        pytest.skip(f"{directory} is on a file system that refuses O_DIRECT")
+    return disk
+
+
+def test_direct_io_files_are_whole_pages_and_read_back_in_either_mode(tmp_path) -> None:
+    sizes = {i: size for i, size in enumerate((1, 4095, 4096, 5000, CHUNK * 3 + 7))}
+    disk = direct_tier(tmp_path / "direct")
+    for i, size in sizes.items():
+        assert disk.write(key(i), [value(i, size)], link=b"") is Status.OK
+    for path in files(tmp_path / "direct"):
+        assert path.stat().st_size % PAGE == 0, path
+    assert disk.stats().used_bytes == sum(path.stat().st_size for path in files(tmp_path / "direct"))
+    for reader in (disk, DiskTier(str(tmp_path / "direct"), 1 << 30)):  # itself, then a buffered tier
+        for i, size in sizes.items():
+            status, got = read(reader, i)
+            assert status is Status.OK and np.array_equal(got, value(i, size)), (reader.direct, i)
+    assert set(stored_links(str(tmp_path / "direct")).values()) == {b""}
+    buffered = DiskTier(str(tmp_path / "buffered"), 1 << 30)  # and the other way round
+    for i, size in sizes.items():
+        buffered.write(key(i), [value(i, size)])
+    again = direct_tier(tmp_path / "buffered")
+    for i, size in sizes.items():
+        status, got = read(again, i)
+        assert status is Status.OK and np.array_equal(got, value(i, size)), i
+
+
+def test_direct_io_damage_is_refused_and_padding_is_never_served(tmp_path) -> None:
+    disk = direct_tier(tmp_path)
+    for i in range(4):
+        disk.write(key(i), [value(i, 5000)])
+    path = {i: next(p for p in files(tmp_path) if p.name.startswith(key(i).rsplit("/", 1)[1])) for i in range(4)}
+    data = bytearray(path[0].read_bytes())
+    data[len(data) - PAGE + 100] ^= 0x01  # a byte of the value in the last page
+    path[0].write_bytes(bytes(data))
+    path[1].write_bytes(path[1].read_bytes()[:-1])  # neither exact nor whole pages
+    path[2].write_bytes(path[2].read_bytes() + bytes(PAGE))  # a page more than the value needs
+    fresh = direct_tier(tmp_path)
+    assert [read(fresh, i)[0] for i in range(3)] == [Status.CORRUPT] * 3
+    status, got = read(fresh, 3)
+    assert status is Status.OK and got.size == 5000 and np.array_equal(got, value(3, 5000))
+    assert fresh.stats().corrupt == 3 and len(files(tmp_path)) == 1
+
+
+def test_a_full_direct_tier_reuses_evicted_files_and_serves_only_whole_chunks(tmp_path) -> None:
+    file_bytes = -(-(HEADER_BYTES + len(key(0)) + CHUNK + 5) // PAGE) * PAGE
+    disk = direct_tier(tmp_path, 3 * file_bytes)
+    for i in range(10):
+        size = CHUNK + 5 if i % 2 else 100  # a smaller file reuses a larger one's: cut to its own pages
+        assert disk.write(key(i), [value(i, size)]) is Status.OK
+        held = disk.keys()
+        for listed in held:
+            j = int(listed.rsplit("/", 1)[1], 16)
+            status, got = read(disk, j)
+            assert status is Status.OK and np.array_equal(got, value(j, CHUNK + 5 if j % 2 else 100)), (i, j)
+    on_disk = files(tmp_path)
+    assert len(on_disk) == len(disk.keys()) >= 3 and disk.stats().evictions >= 6
+    assert sum(path.stat().st_size for path in on_disk) == disk.stats().used_bytes <= 3 * file_bytes
+    assert all(path.stat().st_size % PAGE == 0 for path in on_disk)
+
+
+def test_a_file_system_that_refuses_o_direct_gets_buffered_io(tmp_path, caplog, monkeypatch) -> None:
+    """As tmpfs did before Linux 6.6 (EINVAL at open): injected at the open, since this kernel's tmpfs
+    takes O_DIRECT."""
+    from kvpool.backends import disk as disk_module
+
+    real_open = os.open
+
+    def refusing(path: str, flags: int, *args: int) -> int:
+        if flags & disk_module._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(disk_module.os, "open", refusing)
+    disk = DiskTier(str(tmp_path), 1 << 20, direct=True)
+    assert disk.direct_asked and not disk.direct
+    assert "O_DIRECT refused" in caplog.text
+    assert disk.write(key(0), [value(0, 5000)]) is Status.OK
+    assert files(tmp_path)[0].stat().st_size == HEADER_BYTES + len(key(0)) + 5000  # unpadded: buffered
+    status, got = read(disk, 0)
+    assert status is Status.OK and np.array_equal(got, value(0, 5000))
+    assert files(tmp_path, ".tmp") == []  # the probe left nothing
+
+
+def test_disk_io_is_checked_at_start_up_and_reaches_the_tier(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"disk_io.*'odirect'.*buffered, direct"):
+        KVPoolConfig.from_dict({"disk_path": str(tmp_path), "disk_capacity_bytes": "1MiB", "disk_io": "odirect"})
+    config = {"pool_name": f"t-{uuid.uuid4().hex[:8]}", "disk_path": str(tmp_path), "disk_capacity_bytes": "1MiB"}
+    try:
+        pool = create_backend("memory", KVPoolConfig.from_dict({**config, "disk_io": "direct"}).backend_options())
+        assert isinstance(pool, TieredPool) and pool.disk.direct_asked
+        with pytest.raises(ConfigError, match=r"disk_io.*'buffered'.*'direct'"):
+            create_backend("memory", KVPoolConfig.from_dict(config).backend_options())  # the same pool, another mode
+    finally:
+        drop_shared_tiered_pools()

@@ -43,9 +43,16 @@ unlink with nothing to compact, and a rename gives an atomic publish without a j
 its own did cost is the allocation: a new file's pages and blocks, freed again by the evicted file's
 unlink (a full tier writing 256 KiB chunks here: 94 µs a new file and 26 µs an unlink, against 51 µs
 overwriting an evicted file and 32 µs for the same bytes written in place into one file). Reusing the
-evicted file gives a full tier what slots would, and keeps the publish by rename. Buffered I/O
-(the page cache), not `O_DIRECT`: a chunk re-read soon after it spilled comes from memory, and values
-need no padding to 4 KiB.
+evicted file gives a full tier what slots would, and keeps the publish by rename.
+
+Two I/O modes (`direct`). Buffered (the default, the page cache): a chunk re-read soon after it
+spilled comes from memory at several times the device's speed, and files need no padding. `O_DIRECT`:
+reads and writes go to the device past the page cache (which then holds no second copy of what DRAM
+evicted, and takes no memory the host's other work wants), from page-aligned buffers, each file padded
+with zeros to a whole number of pages (`PAGE`; the header's value length says where the value ends, and
+a file of either mode reads in the other). A file system that refuses `O_DIRECT` (tmpfs) gets the
+buffered mode, with a warning. What each mode costs against the device in the same mode:
+`kvpool bench transfer --backend disk`.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ _HEADER_BYTES_V2 = _HEAD_V2.size + _HEAD_SEAL.size
 NO_LINK = 0xFFFF  # link bytes of a chunk whose parent was not known when it was written
 MAX_LINK_BYTES = 1024  # a parent is a chunk hash (32 bytes with vLLM's sha256)
 WRITE_BACKOFF_S = 5.0
+PAGE = 4096  # O_DIRECT: buffers, lengths and offsets in whole pages (a multiple of any logical block size)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass
@@ -105,7 +114,14 @@ class DiskTier:
     block on the file system, so none runs on an engine's thread (the tiered pool calls it from threads
     of its own: one writer, several readers)."""
 
-    def __init__(self, directory: str, capacity_bytes: int, *, on_evicted: Callable[[list[str]], None] | None = None):
+    def __init__(
+        self,
+        directory: str,
+        capacity_bytes: int,
+        *,
+        on_evicted: Callable[[list[str]], None] | None = None,
+        direct: bool = False,
+    ):
         self.directory = os.path.abspath(directory)
         self.capacity_bytes = capacity_bytes
         self.on_evicted = on_evicted  # called with the keys the tier dropped (evicted, removed)
@@ -117,6 +133,10 @@ class DiskTier:
         self._write_blocked_until = 0.0
         self._folders: set[str] = set()  # folders the writer made or found (one per model, layout and group)
         self._scan()
+        self.direct_asked = direct
+        self.direct = direct and _direct_works(self.directory)  # O_DIRECT reads and writes (see the module)
+        self._flags = _O_DIRECT if self.direct else 0
+        self._scratch = np.empty(0, dtype=np.uint8)  # direct writes: the page-aligned file image, reused
 
     # --- the index ---------------------------------------------------------------------------
 
@@ -157,6 +177,8 @@ class DiskTier:
             link = None  # not a chunk hash: the chunk is kept, its link is not
         size = sum(memoryview(piece).nbytes for piece in pieces)
         file_bytes = HEADER_BYTES + len(key.encode()) + len(link or b"") + size
+        if self.direct:
+            file_bytes = _pages(file_bytes)
         if file_bytes > self.capacity_bytes:
             return Status.FULL
         if time.monotonic() < self._write_blocked_until:
@@ -178,12 +200,15 @@ class DiskTier:
                 digest.update(piece)
             header = _header(key, link, size, digest.intdigest())
             try:
-                fd = _open_for_write(tmp, recycled)
+                fd = _open_for_write(tmp, recycled, self._flags)
             except FileNotFoundError:  # the folder was removed under a running tier: made again, once
                 os.makedirs(folder, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags, 0o644)
             try:
-                _write_all(fd, [header, *pieces])
+                if self.direct:
+                    _write_all(fd, [self._file_image(header, pieces, file_bytes)])
+                else:
+                    _write_all(fd, [header, *pieces])
                 if recycled is not None and os.fstat(fd).st_size > file_bytes:  # its real size, not the index's
                     os.ftruncate(fd, file_bytes)
             finally:
@@ -210,6 +235,20 @@ class DiskTier:
             self._stats.writes += 1
             self._stats.write_bytes += size
         return Status.OK
+
+    def _file_image(self, header: bytes, pieces: Sequence[Buffer], file_bytes: int) -> np.ndarray:
+        """The whole file in a page-aligned buffer (O_DIRECT writes from one), zero-padded to its pages."""
+        if self._scratch.nbytes < file_bytes:
+            self._scratch = _aligned(file_bytes)
+        image = self._scratch[:file_bytes]
+        image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        at = len(header)
+        for piece in pieces:
+            flat = np.frombuffer(memoryview(piece).cast("B"), dtype=np.uint8)
+            image[at : at + flat.size] = flat
+            at += flat.size
+        image[at:] = 0
+        return image
 
     def _make_room(self, file_bytes: int) -> tuple[str, int] | None:
         """Evict least recently used files until `file_bytes` fit; the first of them is not removed
@@ -238,11 +277,16 @@ class DiskTier:
             return Status.MISSING
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | self._flags)
             try:
                 opened = os.fstat(fd)
-                data = np.empty(opened.st_size, dtype=np.uint8)
-                value = _check(data[: _read_all(fd, data)], key)
+                if self.direct:  # whole pages into a page-aligned buffer; the file's own length counts
+                    data = _aligned(_pages(opened.st_size))
+                    data = data[: _read_all(fd, data, opened.st_size)]
+                else:
+                    data = np.empty(opened.st_size, dtype=np.uint8)
+                    data = data[: _read_all(fd, data)]
+                value = _check(data, key)
                 # asked while the file is open: once closed, its inode number may name a new file
                 reused = value is None and not _same_file(path, opened)
             finally:
@@ -411,9 +455,10 @@ def _check(data: np.ndarray, key: str) -> np.ndarray | None:
     if parsed is None:
         return None
     _, start, size, digest = parsed
-    if data.size != start + size or xxhash.xxh3_64_intdigest(view[start:]) != digest:
-        return None
-    return data[start:]
+    end = start + size
+    if data.size not in (end, _pages(end)) or xxhash.xxh3_64_intdigest(view[start:end]) != digest:
+        return None  # a file is its bytes exactly, or padded to whole pages (written with O_DIRECT)
+    return data[start:end]
 
 
 def _key_of(directory: str, path: str) -> str:
@@ -434,18 +479,18 @@ def _write_all(fd: int, pieces: list[Buffer]) -> None:
             views[first] = views[first][written:]
 
 
-def _open_for_write(tmp: str, recycled: tuple[str, int] | None) -> int:
+def _open_for_write(tmp: str, recycled: tuple[str, int] | None, flags: int = 0) -> int:
     """A descriptor to write a chunk's file through under its temporary name: an evicted chunk's file
     renamed there when there is one (it is overwritten in place: its pages and blocks are reused, where a
     new file allocates them and the evicted one's unlink frees them again), else a new file."""
     if recycled is not None:
         try:
             os.replace(recycled[0], tmp)
-            return os.open(tmp, os.O_WRONLY)
+            return os.open(tmp, os.O_WRONLY | flags)
         except OSError:  # removed meanwhile, or on another file system under the directory: a new one
             _unlink(recycled[0])
             _unlink(tmp)
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
 
 
 def _same_file(path: str, opened: os.stat_result) -> bool:
@@ -456,10 +501,12 @@ def _same_file(path: str, opened: os.stat_result) -> bool:
     return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
 
 
-def _read_all(fd: int, data: np.ndarray) -> int:
-    """Fill `data` from the file's current offset; the bytes read (fewer only at the end of the file)."""
+def _read_all(fd: int, data: np.ndarray, limit: int | None = None) -> int:
+    """Fill `data` from the file's current offset; the bytes read (fewer only at the end of the file).
+    `limit`: stop once this many are read (O_DIRECT: a read at the unaligned end of a file is refused)."""
     view, got = data.data, 0
-    while got < len(view):
+    end = len(view) if limit is None else min(limit, len(view))
+    while got < end:
         count = os.readv(fd, [view[got:]])
         if count <= 0:
             break
@@ -487,3 +534,31 @@ def _unlink(path: str) -> int:
         return 1
     except OSError:
         return 0
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """`nbytes` of new memory starting at a page boundary."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    return raw[skip : skip + nbytes]
+
+
+def _direct_works(directory: str) -> bool:
+    """Whether the file system under `directory` takes O_DIRECT (tmpfs refuses it); warns when not."""
+    probe = os.path.join(directory, f".direct-probe.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        try:
+            os.write(fd, _aligned(PAGE).data)
+        finally:
+            os.close(fd)
+        return _O_DIRECT != 0
+    except OSError as error:
+        log.warning("disk tier %s: O_DIRECT refused (%s); buffered I/O instead", directory, error)
+        return False
+    finally:
+        _unlink(probe)

@@ -415,25 +415,31 @@ def shared_tiered_pool(
     disk_dir: str,
     disk_capacity_bytes: int,
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    direct: bool = False,
 ) -> TieredPool:
     """The process-wide tiered pool called `name` (see `shared_memory_pool`): built once, its disk
-    tier scanned then; later engines in the process share it."""
+    tier scanned then; later engines in the process share it. `direct`: O_DIRECT file I/O."""
     with _shared_lock:
         pool = _shared.get(name)
         if pool is None:
-            disk = DiskTier(disk_dir, disk_capacity_bytes)
+            disk = DiskTier(disk_dir, disk_capacity_bytes, direct=direct)
             pool = _shared[name] = TieredPool(MemoryBackend(capacity_bytes), disk, read_timeout_s=read_timeout_s)
             return pool
         for key, value, created in (
             ("capacity_bytes", capacity_bytes, pool.memory.capacity_bytes),
             ("disk_path", disk_dir, pool.disk.directory),
             ("disk_capacity_bytes", disk_capacity_bytes, pool.disk.capacity_bytes),
+            ("disk_io", _io(direct), _io(pool.disk.direct_asked)),
         ):
             if key == "disk_path":
                 value = os.path.abspath(disk_dir)
             if value != created:
                 raise ConfigError(key, value, f"{created!r} (what pool {name!r} was created with)")
         return pool
+
+
+def _io(direct: bool) -> str:
+    return "direct" if direct else "buffered"
 
 
 def drop_shared_tiered_pools(timeout_s: float = 5.0) -> None:

@@ -17,14 +17,17 @@ chunks moved five ways through the same directory:
   into the load's buffer (one used before, as the loader's are), promoted into DRAM (arrays DRAM freed,
   as in a pool at capacity). No target: the whole path, on every core;
 * `direct_write`, `direct_read`: the raw moves with `O_DIRECT` (page-aligned buffers): the device's
-  own bandwidth, past the page cache. No target: they are what the tier's choice of buffered I/O is
-  argued with (a re-read soon after a spill comes from memory at several times the device's speed).
+  own bandwidth, past the page cache;
+* `direct_tier_write`, `direct_tier_write_full`, `direct_tier_read`: the tier's own moves in its
+  `O_DIRECT` mode (`disk_io: direct`: files padded to whole pages, written from and read into
+  page-aligned buffers, every read checked), against the direct raw moves: the same I/O mode.
 Buffered reads come from the page cache for both (it cannot be dropped on this machine): cached
 against cached. Files are removed between rounds, outside the timed calls. Where the file system
-refuses `O_DIRECT` (tmpfs), the direct rows are left out.
+refuses `O_DIRECT`, or a chunk is not whole pages, the direct rows are left out.
 
-Targets: `tier_write` and `tier_write_full` ÷ `raw_write`, `tier_read` ÷ `raw_read` >= 0.8, as ratios
-paired by round with a 95% interval (`stats.ratio`); a verdict fails only when the whole interval misses.
+Targets: `tier_write` and `tier_write_full` ÷ `raw_write`, `tier_read` ÷ `raw_read` >= 0.8, and the same
+three of the direct mode ÷ `direct_write` / `direct_read`, as ratios paired by round with a 95% interval
+(`stats.ratio`); a verdict fails only when the whole interval misses.
 """
 
 from __future__ import annotations
@@ -51,15 +54,18 @@ ROUNDS = 7
 TARGET = 0.8
 SYSTEMS = (
     "raw_write", "tier_write", "tier_write_full", "raw_read", "tier_read", "tier_read_unchecked", "pool_read",
-    "direct_write", "direct_read",
+    "direct_write", "direct_read", "direct_tier_write", "direct_tier_write_full", "direct_tier_read",
 )  # fmt: skip
-DIRECT = ("direct_write", "direct_read")
+DIRECT = ("direct_write", "direct_read", "direct_tier_write", "direct_tier_write_full", "direct_tier_read")
 PAGE = 4096  # O_DIRECT wants buffers, lengths and offsets in multiples of the logical block: a page is enough
 PAIRS = (
     ("tier_write", "raw_write"), ("tier_write_full", "raw_write"), ("tier_read", "raw_read"),
     ("tier_read_unchecked", "raw_read"), ("pool_read", "raw_read"),
+    ("direct_tier_write", "direct_write"), ("direct_tier_write_full", "direct_write"),
+    ("direct_tier_read", "direct_read"),
 )  # fmt: skip
-TARGETED = {"tier_write", "tier_write_full", "tier_read"}
+TARGETED = {"tier_write", "tier_write_full", "tier_read", "direct_tier_write", "direct_tier_write_full",
+            "direct_tier_read"}  # fmt: skip
 ALL_ARGS: dict[str, Any] = {"keys": KEYS, "rounds": 15}
 TINY_ARGS: dict[str, Any] = {"chunk_sizes": (64 << 10,), "keys": 4, "rounds": 2}
 
@@ -71,7 +77,7 @@ def _key(size: int, i: int) -> str:
 class _Cell:
     """One chunk size's batch and the five timed moves of it."""
 
-    def __init__(self, directory: str, chunk_bytes: int, keys: int) -> None:
+    def __init__(self, directory: str, chunk_bytes: int, keys: int, direct: bool = False) -> None:
         self.directory = directory
         rng = np.random.default_rng(chunk_bytes)
         self.values = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8) for _ in range(keys)]
@@ -87,6 +93,12 @@ class _Cell:
         file_bytes = HEADER_BYTES + len(self.keys[0].encode()) + chunk_bytes
         self.full_tier = DiskTier(os.path.join(directory, "full"), keys * file_bytes)
         self.full_sets = ([_key(chunk_bytes, keys + i) for i in range(keys)], self.keys)
+        self.direct_tier = self.direct_full_tier = None
+        if direct:  # the same two tiers in the O_DIRECT mode: each file padded to whole pages
+            self.direct_tier = DiskTier(os.path.join(directory, "dtier"), 1 << 40, direct=True)
+            padded = -(-file_bytes // PAGE) * PAGE
+            self.direct_full_tier = DiskTier(os.path.join(directory, "dfull"), keys * padded, direct=True)
+            self.direct_full_sets = self.full_sets
         # a read deadline no loaded machine misses: the bench times reads, it does not fail them
         self.pool = TieredPool(MemoryBackend(2 * keys * chunk_bytes), self.tier, read_timeout_s=60.0)
         self.load_buffer = np.zeros((keys, chunk_bytes), dtype=np.uint8)
@@ -112,6 +124,15 @@ class _Cell:
             self.direct_write()
         if system == "direct_write" and os.path.exists(self.direct_path):
             os.unlink(self.direct_path)
+        if system == "direct_tier_read" and self.direct_tier and not self.direct_tier.contains(self.keys[0]):
+            for key, value in zip(self.keys, self.values):
+                self.direct_tier.write(key, [value])
+        if system == "direct_tier_write" and self.direct_tier:
+            self.direct_tier.clear()
+        full = self.direct_full_tier
+        if system == "direct_tier_write_full" and full and not full.contains(self.direct_full_sets[1][0]):
+            for key, value in zip(self.direct_full_sets[1], self.values):
+                full.write(key, [value])
 
     def raw_write(self) -> None:
         fd = os.open(self.raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -178,6 +199,23 @@ class _Cell:
         finally:
             os.close(fd)
 
+    def direct_tier_write(self) -> None:
+        assert self.direct_tier is not None
+        for key, value in zip(self.keys, self.values):
+            self.direct_tier.write(key, [value])
+
+    def direct_tier_write_full(self) -> None:
+        assert self.direct_full_tier is not None
+        for key, value in zip(self.direct_full_sets[0], self.values):
+            self.direct_full_tier.write(key, [value])
+        self.direct_full_sets = self.direct_full_sets[::-1]
+
+    def direct_tier_read(self) -> None:
+        assert self.direct_tier is not None
+        for key in self.keys:
+            if isinstance(self.direct_tier.read(key), int):
+                raise RuntimeError(f"disk tier read of {key} (O_DIRECT) failed")
+
     def move(self, system: str) -> Callable[[], None]:
         move: Callable[[], None] = getattr(self, system)
         return move
@@ -198,8 +236,9 @@ def run(
     rows: list[dict[str, Any]] = []
     try:
         for chunk_bytes in chunk_sizes:
-            cell = _Cell(base, chunk_bytes, keys)
-            systems = SYSTEMS if direct and chunk_bytes % PAGE == 0 else tuple(s for s in SYSTEMS if s not in DIRECT)
+            with_direct = direct and chunk_bytes % PAGE == 0
+            cell = _Cell(base, chunk_bytes, keys, direct=with_direct)
+            systems = SYSTEMS if with_direct else tuple(s for s in SYSTEMS if s not in DIRECT)
             seconds: dict[str, list[float]] = {system: [] for system in systems}
             try:
                 for system in systems:  # one untimed warm-up round
@@ -222,6 +261,8 @@ def run(
                 "ratios": {},
             }
             for system, base_system in PAIRS:
+                if system not in gbps:
+                    continue
                 interval = ratio(gbps[system], gbps[base_system])
                 entry = {"of": base_system, **interval.as_dict()}
                 if system in TARGETED:
@@ -241,7 +282,7 @@ def run(
             "chunk_sizes": list(chunk_sizes),
             "keys": keys,
             "rounds": rounds,
-            "io": "buffered (page cache)",
+            "io": "buffered (page cache); the direct rows O_DIRECT",
             "direct": direct,
         },
         "results": rows,
@@ -283,22 +324,29 @@ def to_markdown(result: dict[str, Any]) -> str:
         entry = row["gbps"].get(system)
         return f"{entry['estimate']:.2f}" if entry else "-"
 
+    def either(row: dict[str, Any], system: str) -> str:
+        return shown(row["ratios"][system]) if system in row["ratios"] else "-"
+
     headers = [
         "chunk", "raw write GB/s", "tier write ÷ raw", "full tier write ÷ raw", "raw read GB/s", "tier read ÷ raw",
         "unchecked ÷ raw", "pool read ÷ raw", "O_DIRECT write GB/s", "O_DIRECT read GB/s",
+        "O_DIRECT tier write ÷ O_DIRECT", "O_DIRECT full tier write ÷ O_DIRECT", "O_DIRECT tier read ÷ O_DIRECT",
     ]  # fmt: skip
     rows = [
         [
             f"{row['chunk_bytes'] >> 10} KiB",
             f"{row['gbps']['raw_write']['estimate']:.2f}",
             shown(row["ratios"]["tier_write"]),
-            shown(row["ratios"]["tier_write_full"]) if "tier_write_full" in row["ratios"] else "-",
+            either(row, "tier_write_full"),
             f"{row['gbps']['raw_read']['estimate']:.2f}",
             shown(row["ratios"]["tier_read"]),
             shown(row["ratios"]["tier_read_unchecked"]),
             shown(row["ratios"]["pool_read"]),
             device(row, "direct_write"),
             device(row, "direct_read"),
+            either(row, "direct_tier_write"),
+            either(row, "direct_tier_write_full"),
+            either(row, "direct_tier_read"),
         ]
         for row in result["results"]
     ]
@@ -308,7 +356,8 @@ def to_markdown(result: dict[str, Any]) -> str:
         f"round (geometric mean, 95% interval); target tier ÷ raw >= {TARGET} for writes and checked reads; "
         "full tier: each write evicts a chunk and writes over its file; "
         "pool read: a load's whole path from disk (read threads, copy, promotion); "
-        "O_DIRECT: the same raw moves past the page cache (the device's own bandwidth; no target)"
+        "O_DIRECT: the same raw moves past the page cache (the device's own bandwidth), and the tier's in its "
+        f"`disk_io: direct` mode against them (target >= {TARGET})"
     )
     return markdown_table(headers, rows) + "\n\n" + note + "\n"
 
@@ -324,7 +373,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
                       if system in row["gbps"]]  # fmt: skip
             if points:
                 axis.plot(*zip(*points), "-o", label=system)
-        axis.set(title="disk tier vs sequential I/O (page cache)", xlabel="chunk KiB", ylabel="GB/s")
+        axis.set(title="disk tier vs sequential I/O (page cache, and O_DIRECT)", xlabel="chunk KiB", ylabel="GB/s")
         axis.set_xscale("log")
         axis.legend(fontsize=7)
 
@@ -333,15 +382,17 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="disk tier ÷ the disk's sequential bandwidth (buffered, same run)")
+    table = Table(title="disk tier ÷ the disk's sequential bandwidth (same run, same I/O mode)")
     columns = (
         "chunk", "raw write GB/s", "tier write", "full tier write", "raw read GB/s", "tier read", "unchecked",
-        "pool read", "O_DIRECT w / r",
+        "pool read", "O_DIRECT w / r", "O_DIRECT tier write", "O_DIRECT tier read",
     )  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     def cell(ratios: dict[str, Any], system: str) -> str:
-        entry = ratios[system]
+        entry = ratios.get(system)
+        if entry is None:
+            return "-"
         mark = f" {entry['verdict']}" if "verdict" in entry else ""
         return f"{entry['estimate']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}]{mark}"
 
@@ -357,6 +408,8 @@ def print_table(result: dict[str, Any]) -> None:
             cell(ratios, "tier_read"),
             cell(ratios, "tier_read_unchecked"),
             cell(ratios, "pool_read"),
-            " / ".join(f"{gbps[system]['estimate']:.2f}" if system in gbps else "-" for system in DIRECT),
+            " / ".join(f"{gbps[system]['estimate']:.2f}" if system in gbps else "-" for system in DIRECT[:2]),
+            cell(ratios, "direct_tier_write"),
+            cell(ratios, "direct_tier_read"),
         )
     Console().print(table)

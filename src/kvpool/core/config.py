@@ -15,6 +15,7 @@ __all__ = ["BACKEND_NAMES", "ConfigError", "Integrity", "KVPoolConfig", "parse_s
 
 BACKEND_NAMES = ("memory", "mooncake")
 DEFAULT_LOOKUP_TIMEOUT_S = 0.1  # a healthy pool answers a 32k-token lookup in 1-2 ms (Mooncake, loopback)
+DISK_IO_MODES = ("buffered", "direct")  # the disk tier through the page cache, or O_DIRECT (backends/disk.py)
 DEFAULT_LOOKUP_WAIT_MS = 5.0  # how long a lookup may wait for the pool's answer in the engine's call
 
 
@@ -51,6 +52,7 @@ class KVPoolConfig:
     disk_path: str | None = None  # the embedded pool's disk tier: one directory per rank under it (backends/disk.py)
     disk_capacity_bytes: int | str | None = None  # required with disk_path: bytes of files per rank
     disk_read_timeout_ms: float = 2000.0  # a disk read not done by then is a failed load (recomputed)
+    disk_io: str = "buffered"  # or "direct": the disk tier's reads and writes past the page cache (O_DIRECT)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KVPoolConfig:
@@ -132,6 +134,8 @@ class KVPoolConfig:
         self._validate_disk()
 
     def _validate_disk(self) -> None:
+        if self.disk_io not in DISK_IO_MODES:
+            raise ConfigError("disk_io", self.disk_io, f"one of {', '.join(DISK_IO_MODES)}")
         if self.disk_path is None:
             if self.disk_capacity_bytes is not None:
                 raise ConfigError("disk_capacity_bytes", self.disk_capacity_bytes, "unset unless disk_path is set")
@@ -170,6 +174,7 @@ class KVPoolConfig:
                     disk_dir=self.disk_dir(rank),
                     disk_capacity_bytes=self.disk_capacity_bytes,
                     read_timeout_s=self.disk_read_timeout_ms / 1000,
+                    direct=self.disk_io == "direct",
                 )
             return options
         return dict(self.mooncake)
