@@ -120,16 +120,18 @@ def test_the_suite_and_the_cli_know_the_bench() -> None:
     assert outcome.exit_code == 2 and "nope" in outcome.output
 
 
-def test_the_disk_tier_is_judged_against_the_same_dram_alone_on_paired_rounds() -> None:
-    def row(system: str, round_index: int, ttft: float) -> dict[str, Any]:
-        return {
-            "system": system, "dataset": trace_report.DATASET, "concurrency": 4, "round": round_index,
-            "sent": 10, "completed": 10, "failed": 0, "ttft_mean_ms": ttft, "ttft_p50_ms": ttft, "output_tok_s": 50.0,
-        }  # fmt: skip
+def _row(system: str, round_index: int, ttft: float) -> dict[str, Any]:
+    """A replay run's figures, as `trace.run` records them, for the summary's pure tests."""
+    return {
+        "system": system, "dataset": trace_report.DATASET, "concurrency": 4, "round": round_index,
+        "sent": 10, "completed": 10, "failed": 0, "ttft_mean_ms": ttft, "ttft_p50_ms": ttft, "output_tok_s": 50.0,
+    }  # fmt: skip
 
+
+def test_the_disk_tier_is_judged_against_the_same_dram_alone_on_paired_rounds() -> None:
     faster = [0.80, 0.82, 0.79, 0.81]  # the tier's TTFT, as a share of DRAM alone's, round by round
-    rows = [row("kvpool", i, 100.0 + 10 * i) for i in range(4)]
-    rows += [row("kvpool-disk", i, (100.0 + 10 * i) * share) for i, share in enumerate(faster)]
+    rows = [_row("kvpool", i, 100.0 + 10 * i) for i in range(4)]
+    rows += [_row("kvpool-disk", i, (100.0 + 10 * i) * share) for i, share in enumerate(faster)]
     result = {"systems": ["kvpool", "kvpool-disk"], "workload": {"concurrencies": [4]}, "results": rows}
     judged = [t for t in trace_report.summarize(result)["targets"] if t["system"] == "kvpool-disk"]
     verdicts = {(t["against"], t["metric"]): t["verdict"] for t in judged}
@@ -147,18 +149,14 @@ def test_the_disk_tier_is_judged_against_the_same_dram_alone_on_paired_rounds() 
 
 
 def test_each_kvpool_system_is_judged_against_vllms_connector_in_its_placement_and_against_local() -> None:
-    def row(system: str, round_index: int) -> dict[str, Any]:
-        ttft = (80.0 if system.startswith("kvpool") else 100.0) + round_index  # kvpool's first tokens come sooner
-        return {
-            "system": system, "dataset": trace_report.DATASET, "concurrency": 4, "round": round_index,
-            "sent": 10, "completed": 10, "failed": 0, "ttft_mean_ms": ttft, "ttft_p50_ms": ttft, "output_tok_s": 50.0,
-        }  # fmt: skip
+    def ttft(system: str, round_index: int) -> float:
+        return (80.0 if system.startswith("kvpool") else 100.0) + round_index  # kvpool's first tokens come sooner
 
     systems = [s for s in trace.SYSTEMS if s != "kvpool-disk"]
     result = {
         "systems": systems,
         "workload": {"concurrencies": [4]},
-        "results": [row(s, i) for s in systems for i in range(3)],
+        "results": [_row(s, i, ttft(s, i)) for s in systems for i in range(3)],
     }
     judged = [t for t in trace_report.summarize(result)["targets"] if t["verdict"] is not None]
     assert {(t["system"], t["against"]) for t in judged} == {
