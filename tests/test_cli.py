@@ -55,6 +55,31 @@ def test_a_bad_demo_backend_is_a_usage_error_before_any_work(monkeypatch: pytest
     assert "redis" in outcome.output and "memory" in outcome.output and "mooncake" in outcome.output
 
 
+def test_a_bad_trace_dtype_is_a_usage_error_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.benchmarks import trace
+
+    monkeypatch.setattr(trace, "run", lambda **_: pytest.fail("the trace ran with a bad dtype"))
+    outcome = CliRunner().invoke(app, ["bench", "trace", "--dtype", "float16"])
+    assert outcome.exit_code == 2
+    assert "float16" in outcome.output and "bfloat16" in outcome.output and "float32" in outcome.output
+
+
+def test_the_trace_dtype_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.benchmarks import trace
+
+    seen: dict[str, Any] = {}
+
+    def run(**kwargs: Any) -> dict[str, Any]:
+        seen.update(kwargs)
+        return {"targets": []}
+
+    monkeypatch.setattr(trace, "run", run)
+    monkeypatch.setattr(trace, "print_table", lambda result: None)
+    outcome = CliRunner().invoke(app, ["bench", "trace", "--dtype", "float32", "--systems", "kvpool,kvpool-disk"])
+    assert outcome.exit_code == 0, outcome.output
+    assert seen["dtype"] == "float32" and seen["systems"] == ["kvpool", "kvpool-disk"]
+
+
 def test_version() -> None:
     outcome = CliRunner().invoke(app, ["--version"])
     assert outcome.exit_code == 0 and outcome.output.strip() == f"kvpool {kvpool.__version__}"

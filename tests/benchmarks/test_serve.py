@@ -94,8 +94,14 @@ def test_the_probe_pushes_prompts_out_of_the_engine_and_only_a_pool_brings_them_
         for system in CONNECTORS:
             wanted = 256 if system == "lmcache" else whole_blocks  # LMCache: whole 256-token chunks
             probe = probes[system, round_index]
-            # why a prompt came back short, when it does: each prompt's pool tokens and kvpool's counters
-            why = (system, round_index, probe["evicted_pool_tokens_each"], _nonzero(probe.get("kvpool_counters", {})))
+            # why a prompt came back short, when it does: each prompt's pool tokens, kvpool's counters, the log
+            why = (
+                system,
+                round_index,
+                probe["evicted_pool_tokens_each"],
+                _nonzero(probe.get("kvpool_counters", {})),
+                probe.get("pool_log", []),  # the pool's warnings in the server's log (a breaker opening)
+            )
             assert probe["evicted_cached_tokens"] == probe["evicted_pool_tokens"] == wanted, why
 
 

@@ -41,6 +41,7 @@ import contextlib
 import io
 import json
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,11 @@ MIN_POOL_BYTES = 16 << 20  # a smaller Mooncake segment fails its setup
 UNSUPPORTED_TIMEOUT_S = 120.0
 STARTS_AT_ONCE = 2  # servers started together (`start_all`)
 DEGRADED_LOG_BYTES = 4 << 20
+# lines of a server's log that say why a pool missed: kvpool's and Mooncake's warnings (the Mooncake
+# client's breaker among them), the native client's own (glog: E1206 12:00:00...) and tracebacks;
+# vLLM's own INFO lines name kvpool too, and are left out
+POOL_LOG_SIGNS = re.compile(r"breaker|mooncake|kvpool|traceback|^[EWF]\d{4} \d\d:", re.IGNORECASE)
+POOL_LOG_LINES = 20
 
 
 @dataclass(frozen=True)
@@ -555,7 +561,14 @@ def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[s
         "evicted_pool_tokens_each": cached["evicted_from_pool"],
         # kvpool's own counters over the probe: why a prompt came back short (a full pool, a slow lookup)
         "kvpool_counters": _counter_deltas(counters_before, _kvpool_counters(server)),
+        "pool_log": _pool_log(server),
     }
+
+
+def _pool_log(server: OpenAIServer) -> list[str]:
+    """The server log's last lines from or about a pool (see `POOL_LOG_SIGNS`), since it started."""
+    lines = server.log_tail(DEGRADED_LOG_BYTES).splitlines()
+    return [line for line in lines if POOL_LOG_SIGNS.search(line) and " INFO " not in line][-POOL_LOG_LINES:]
 
 
 def _kvpool_counters(server: OpenAIServer) -> dict[str, float]:

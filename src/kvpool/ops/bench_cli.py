@@ -11,6 +11,7 @@ import typer
 from kvpool.ops.cli_common import AsJson, NoFail, emit, ints
 
 DEFAULT_CONTEXTS = "1024,4096,16384,32768,65536,131072"
+TRACE_DTYPES = ("bfloat16", "float32")  # what vLLM's CPU build serves the bench model in
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements, printed as a table or JSON.")
 
@@ -213,11 +214,16 @@ def bench_trace(
     speedup: Annotated[
         float, typer.Option(help="replay the trace's arrival times this many times faster (0: closed loop)", min=0)
     ] = 0.0,
+    dtype: Annotated[
+        str, typer.Option(help="the engine's dtype: bfloat16, or float32 on a CPU without AVX-512 (bf16 ~15x slower)")
+    ] = "bfloat16",
 ) -> None:
     """The Mooncake conversation trace replayed behind vLLM's OpenAI server: kvpool next to the peers."""
     from kvpool.benchmarks import trace
 
     names = [part.strip() for part in systems.split(",") if part.strip()] or list(trace.SYSTEMS)
+    if dtype not in TRACE_DTYPES:
+        raise typer.BadParameter(f"--dtype {dtype!r}: expected one of {', '.join(TRACE_DTYPES)}")
     try:
         wanted = tuple(ints("--concurrencies", concurrencies))
         default = trace.Workload()  # the engine's cache holds the most requests at once, and 8 blocks more
@@ -229,6 +235,7 @@ def bench_trace(
             requests=requests,
             speedup=speedup or None,
             engine_cache_tokens=cache,
+            dtype=dtype,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

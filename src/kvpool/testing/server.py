@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ SAME_CORES_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 READY_TIMEOUT_S = 240.0  # 25-35 s for a tiny model on 2 cores; TP 2 and a busy machine take longer
 STOP_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
+KEEP_LOGS_ENV = "KVPOOL_KEEP_SERVER_LOGS"  # a folder: each stopped server's log is kept there
 START_FAILED = ("Worker failed with error", "Engine core initialization failed")
 
 
@@ -76,10 +78,16 @@ class OpenAIServer:
             return ""
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """SIGINT to the server's process group, then SIGKILL if it lingers; the log file goes."""
+        """SIGINT to the server's process group, then SIGKILL if it lingers; the log file goes, or moves
+        into the folder `KEEP_LOGS_ENV` names (to read why a test or a bench saw what it saw)."""
         stop_process_group(self.process, timeout_s)
+        keep = os.environ.get(KEEP_LOGS_ENV)
         with contextlib.suppress(OSError):
-            self.log_path.unlink()
+            if keep:
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                shutil.move(self.log_path, Path(keep) / self.log_path.name)
+            else:
+                self.log_path.unlink()
 
     def _post(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
