@@ -66,7 +66,7 @@ START_TIMEOUT_S = 300.0
 MIN_POOL_BYTES = 16 << 20  # a smaller Mooncake segment fails its setup
 UNSUPPORTED_TIMEOUT_S = 120.0
 STARTS_AT_ONCE = 2  # servers started together (`start_all`)
-DEGRADED_LOG_BYTES = 4 << 20
+LOG_BYTES = 4 << 20  # how much of a server's log is read for why it degraded or missed
 # lines of a server's log that say why a pool missed: kvpool's and Mooncake's warnings (the Mooncake
 # client's breaker among them), the native client's own (glog: E1206 12:00:00...) and tracebacks;
 # vLLM's own INFO lines name kvpool too, and are left out
@@ -566,8 +566,8 @@ def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[s
 
 
 def _pool_log(server: OpenAIServer) -> list[str]:
-    """The server log's last lines from or about a pool (see `POOL_LOG_SIGNS`), since it started."""
-    lines = server.log_tail(DEGRADED_LOG_BYTES).splitlines()
+    """The last lines from or about a pool (see `POOL_LOG_SIGNS`) in the tail of the server's log."""
+    lines = server.log_tail(LOG_BYTES).splitlines()
     return [line for line in lines if POOL_LOG_SIGNS.search(line) and " INFO " not in line][-POOL_LOG_LINES:]
 
 
@@ -604,7 +604,7 @@ def _try_unsupported(connector: str, model: Path, workload: Workload, token_byte
             kv_cache_memory_bytes=workload.engine_cache_tokens * token_bytes,
             ready_timeout_s=UNSUPPORTED_TIMEOUT_S,
         ) as server:
-            degraded = _degraded(server.log_tail(DEGRADED_LOG_BYTES))
+            degraded = _degraded(server.log_tail(LOG_BYTES))
             if degraded:
                 return f"starts in degraded mode, recomputing every request: {degraded}"
             return "started (not expected on the CPU build): not measured"
