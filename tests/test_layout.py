@@ -70,6 +70,47 @@ def test_staged_copy_matches_zero_copy() -> None:
     assert torch.equal(k[:, 4], k[:, 1]) and torch.equal(v[4], v[1])
 
 
+@pytest.mark.parametrize("width", [8, 16 << 10])  # narrow rows, and rows wide enough to copy block by block
+@pytest.mark.parametrize("count", [1, 2, 5])  # one or two blocks go block by block, more by numpy's gather
+def test_a_host_copy_holds_each_block_in_layer_order_whatever_the_copy_route(width: int, count: int) -> None:
+    num_blocks = 8
+    rng = np.random.default_rng(width + count)
+    k = rng.integers(0, 255, (num_blocks, width), dtype=np.uint8)
+    v = rng.integers(0, 255, (2, num_blocks, width // 2), dtype=np.uint8)  # K/V outermost
+    layout = KVLayout({"k": k, "v": v}, {"k": 0, "v": 0}, num_blocks)
+    blocks = [7, 2, 5, 1, 3][:count]
+    want = [k[block].tobytes() + v[0, block].tobytes() + v[1, block].tobytes() for block in blocks]
+    copied = layout.copy_rows(0, blocks)
+    k[:] = 0  # the engine reuses the blocks: the copy keeps what they held
+    v[:] = 0
+    assert [joined(copied.value(index)) for index in range(count)] == want
+    dest = layout.load_rows(0, blocks, owned=True)  # and back, all blocks in one commit, by the same route
+    dest.arrays[0][:] = copied.arrays[0]
+    layout.commit_rows(0, blocks, dest, [True] * count)
+    assert [saved(layout, 0, block) for block in blocks] == want
+    assert not k[[b for b in range(1, num_blocks) if b not in blocks]].any(), "no other block is written"
+
+
+@pytest.mark.parametrize("arrived", [[True, True, True], [True, False, True], [False, True, False]])
+def test_owned_host_rows_commit_exactly_the_blocks_that_arrived(arrived: list[bool]) -> None:
+    num_blocks = 6
+    first = np.arange(num_blocks * 8, dtype=np.uint16).reshape(num_blocks, 2, 4)
+    outer = np.arange(2 * num_blocks * 3, dtype=np.float32).reshape(2, num_blocks, 3)
+    layout = KVLayout({"a": first, "b": outer}, {"a": 0, "b": 0}, num_blocks)
+    blocks = [4, 1, 3]
+    before = {block: saved(layout, 0, block) for block in range(1, num_blocks)}
+    dest = layout.load_rows(0, blocks, owned=True)  # a buffer the caller owns: nothing lands before commit
+    sources = [2, 5, 2]  # each target gets another block's bytes, told apart by where they come from
+    for index, source in enumerate(sources):
+        dest.value(index)[0][:] = np.frombuffer(before[source], dtype=np.uint8)
+    assert all(saved(layout, 0, block) == before[block] for block in blocks)
+    layout.commit_rows(0, blocks, dest, arrived)
+    for block, source, ok in zip(blocks, sources, arrived):
+        assert saved(layout, 0, block) == (before[source] if ok else before[block])
+    untouched = set(range(1, num_blocks)) - set(blocks)
+    assert all(saved(layout, 0, block) == before[block] for block in untouched)
+
+
 def test_staged_save_is_a_copy() -> None:
     tensor = torch.zeros(3, 4, dtype=torch.uint8)
     layout = KVLayout({"x": tensor}, {"x": 0}, 3, staged=True)
