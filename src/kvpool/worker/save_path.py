@@ -144,10 +144,14 @@ class SavePath:
         if not current:
             return
         results = [Status.ERROR] * sum(len(batch.items) for batch in current)
+        # a batch of no chunk (every chunk of its ranges another rank's, with striped puts) only moves marks:
+        # no put, and it does not keep the others from merging as one array
+        carrying = [batch for batch in current if batch.items]
         try:
-            whole = current[0] if len(current) == 1 else SaveBatch.merge(current)
-            results = self._put(whole)
-            self._report(whole.items, results)
+            if carrying:
+                whole = carrying[0] if len(carrying) == 1 else SaveBatch.merge(carrying)
+                results = self._put(whole)
+                self._report(whole.items, results)
         except Exception:
             log.exception("save of %d chunks failed", len(results))
         finally:
