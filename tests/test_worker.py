@@ -225,6 +225,30 @@ def test_small_saves_of_several_steps_go_out_in_one_put(closing: list[WorkerCore
         assert backend.stored(key, len(value)) == value  # each chunk's own bytes, whatever it was merged with
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_step_whose_chunks_are_all_another_ranks_makes_no_put_and_still_moves_the_mark(
+    closing: list[WorkerCore], sync: bool
+) -> None:
+    """Striped puts (TP 2, rank 0 of the shard): chunk 1 is rank 1's, so the step that completes it
+    plans a range of no chunk here: no put call, and the request's mark still passes it."""
+    model = FakeModel([FullAttention(16)])
+    backend = RecordingBackend()
+    engine = model.engine(backend, put_step=2, rank=0, config=WorkerConfig(sync_saves=sync))
+    closing.append(engine)
+    hashes, _, expected = add_request(model, engine, "a", 48)
+    engine.save_request("a", 16)  # chunk 0: this rank's
+    assert engine.drain(5) and backend.put_calls == 1
+    engine.save_request("a", 32)  # chunk 1: rank 1's
+    assert engine.drain(5) and backend.put_calls == 1
+    assert engine.stored_tokens("a") == 32
+    engine.save_request("a", 48)  # chunk 2: this rank's again
+    assert engine.drain(5) and backend.put_calls == 2
+    assert engine.stored_tokens("a") == 48
+    assert backend.put_keys == [model.key(0, hashes, 0), model.key(0, hashes, 2)]
+    for key in backend.put_keys:
+        assert backend.stored(key, len(expected[key])) == expected[key]
+
+
 def test_a_hybrid_models_groups_go_out_in_one_put_per_call_not_one_per_group(closing: list[WorkerCore]) -> None:
     """vLLM gives a hybrid model's groups one page size: their captured chunks share one array, so a
     remote pool (whose cost is per call) takes a step's chunks, or several steps' merged, in one put."""
