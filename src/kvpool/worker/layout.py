@@ -31,11 +31,11 @@ from kvpool.worker.integrity import SEAL_BYTES, Sealer
 DEFAULT_STAGING_BYTES = 64 << 20
 
 NULL_BLOCK_ID = 0  # the engine's placeholder block: never stored from, never loaded into
-# Host copies between the engine's blocks and a row per block, measured here: a slice copy per block and
-# layer costs ~1 µs of call; numpy's gather (`rows[:, layer] = view[ids]`) ~3.5 µs per layer and a
-# temporary it copies again; its scatter (`view[ids] = rows[:, layer]`) no temporary. Per block wins both
-# ways for one or two blocks (a decode step's; 0.3-0.5x), and for a save's copy from rows this wide on
-# (0.66-0.89x at 16-256 KiB a layer); the gather wins for many narrow blocks, the scatter from three on.
+# Host copies between the engine's blocks and a row per block go one of two routes: a slice copy per block
+# and layer (a cheap call each), or numpy per layer (a dearer call; its gather `rows[:, layer] = view[ids]`
+# also writes a temporary it copies again, its scatter `view[ids] = rows[:, layer]` does not). Block by
+# block wins both ways for one or two blocks (a decode step's), and a save's copy from rows this wide on;
+# numpy wins for many narrow blocks, and its scatter from three blocks on (measured 2026-12-06).
 PER_BLOCK_MAX_BLOCKS = 2
 PER_BLOCK_MIN_BYTES = 16 << 10
 
@@ -112,6 +112,11 @@ class KVLayout:
                     raise LayoutError(f"layer {name!r}: {exc}") from exc
                 self._views[group].append(view)
         self._view_tuples = [tuple(views) for views in self._views]
+        # per group: a save's copy goes block by block whatever the count (host rows this wide or wider)
+        self._wide_rows = [
+            not self.staged and min((_block_nbytes(view) for view in views), default=0) >= PER_BLOCK_MIN_BYTES
+            for views in self._views
+        ]
         self._runs: list[list[RunView]] = [
             [RunView(*run, num_blocks) for run in byte_runs(group_pieces)] for group_pieces in pieces
         ]
@@ -226,7 +231,7 @@ class KVLayout:
             )
         copies = np.empty(shape, dtype=np.uint8) if out is None else out
         views = self._views[group]
-        if _per_block(len(ids), views):
+        if len(ids) <= PER_BLOCK_MAX_BLOCKS or self._wide_rows[group]:
             for row, block in zip(copies, ids.tolist()):
                 _gather_block(row, views, block)
         else:
@@ -234,10 +239,9 @@ class KVLayout:
             for view in views:
                 copies[:, offset : offset + view.shape[1]] = view[ids]
                 offset += view.shape[1]
-        offset = self._block_bytes[group]
         rows = Rows.checked((copies,), np.arange(len(ids)))
-        if self.sealed:
-            copies[:, offset:] = self._sealers[group].seal_column(rows)  # seals cover the first `offset` bytes
+        if self.sealed:  # seals cover the block's bytes, before them in the row
+            copies[:, self._block_bytes[group] :] = self._sealers[group].seal_column(rows)
         return rows
 
     def load_rows(self, group: int, block_ids: Sequence[int], *, owned: bool = False) -> Rows:
@@ -325,11 +329,6 @@ class KVLayout:
             bad = [int(i) for i in ids if not 0 < i < self.num_blocks]
             raise LayoutError(f"block ids {bad} of group {group} are outside 1..{self.num_blocks - 1}")
         return ids
-
-
-def _per_block(blocks: int, views: Sequence[np.ndarray]) -> bool:
-    """Whether a save's host copy of `blocks` blocks goes block by block (`PER_BLOCK_*`) or by numpy's gather."""
-    return blocks <= PER_BLOCK_MAX_BLOCKS or min((view.shape[1] for view in views), default=0) >= PER_BLOCK_MIN_BYTES
 
 
 def _gather_block(row: np.ndarray, views: Sequence[np.ndarray], block: int) -> None:
