@@ -52,13 +52,19 @@ def test_a_report_brought_together_from_several_runs_names_each_results_run(tmp_
     measured = json.loads((out / "lookup.json").read_text())["measured"]
     assert set(measured) == set(suite.MEASURED) and measured["cores"] >= 1
     other = json.loads((out / "lookup.json").read_text())
-    other.update(commit="abc1234", size="long", measured={**measured, "cpu": "Another CPU", "date": "2026-01-02"})
+    assert measured["vector"] in ("AVX-512", "AVX2", "AVX", "none known") and measured["python_ns"] > 0
+    other.update(
+        commit="abc1234",
+        size="long",
+        measured={**measured, "cpu": "Another CPU", "date": "2026-01-02", "vector": "AVX-512", "python_ns": 31.5},
+    )
     (out / "lookup.json").write_text(json.dumps(other))
     done = CliRunner().invoke(app, ["bench", "all", "--report-only", "--out", str(out), "--report", str(report)])
     assert done.exit_code == 0, done.output
     text = report.read_text()
     row = next(line for line in text.splitlines() if line.startswith("| `lookup.json`"))
     assert "2026-01-02" in row and "`abc1234`" in row and "--long" in row and "Another CPU" in row, row
+    assert "AVX-512, Python loop 31.5 ns" in row, "two machines of one CPU name are told apart"
     assert "embedded lookup p99" in text, "the bench's own tables are kept"
     refused = CliRunner().invoke(app, ["bench", "all", "--report-only", "--long"])
     assert refused.exit_code == 2 and "runs nothing" in refused.output
@@ -100,3 +106,23 @@ def test_every_bench_of_the_suite_has_its_report_functions_and_tiny_arguments() 
         module, reporter = bench.load()
         assert callable(module.run) and callable(reporter.to_markdown) and callable(reporter.plot)
         assert bench.arguments(tiny=True) != bench.arguments(tiny=False), bench.name
+
+
+def test_a_result_from_before_the_machines_speed_was_recorded_still_names_its_machine() -> None:
+    old = {"date": "2026-12-03", "cpu": "AMD EPYC", "cores": 2, "memory_gib": 23.5}
+    assert suite._where(old) == "AMD EPYC, 2 cores, 23.5 GiB"
+    recorded = {**old, "vector": "AVX2", "python_ns": 94.0}
+    assert suite._where(recorded) == "AMD EPYC, 2 cores, 23.5 GiB, AVX2, Python loop 94.0 ns"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({"sse2", "avx", "avx2", "avx512f"}, "AVX-512"),
+        ({"avx", "avx2"}, "AVX2"),
+        ({"avx"}, "AVX"),
+        (set(), "none known"),
+    ],
+)
+def test_the_widest_vector_extension_is_named(flags: set[str], expected: str) -> None:
+    assert suite.vector_extensions(flags) == expected

@@ -25,7 +25,10 @@ from typing import Any
 
 RESULTS_DIR = Path("benchmarks") / "results"
 REPORT = Path("BENCHMARKS.md")
-MEASURED = ("date", "cpu", "cores", "memory_gib")  # what each result records of where it was measured
+# what each result records of where it was measured: two machines of one CPU name and core count can differ
+# several times over (one with AVX-512, one without), so the vector extensions and a fixed Python loop's
+# speed say which figures can be set side by side
+MEASURED = ("date", "cpu", "cores", "memory_gib", "vector", "python_ns")
 # `--long`: the serve bench keeps its finished rounds here (`checkpoint.py`), and a run cut short is
 # taken up by the next `kvpool bench all --long` (its rounds take longer than a session)
 PARTIAL_SUFFIX = ".partial.json"
@@ -183,13 +186,14 @@ def _passed(result: dict[str, Any]) -> bool | None:
 def describe_machine() -> dict[str, Any]:
     """What the figures were measured on: CPU, cores, memory, the software versions, the commit."""
     cpu = platform.processor() or platform.machine()
-    try:
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        cpuinfo: dict[str, str] = {}  # the first processor's fields (every core's are alike)
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+            name, _, value = line.partition(":")
+            cpuinfo.setdefault(name.strip(), value.strip())
+        cpu = cpuinfo.get("model name") or cpu
+        flags = set(cpuinfo.get("flags", "").split())
     memory_gib = None
     with contextlib.suppress(ValueError, OSError):
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -210,6 +214,8 @@ def describe_machine() -> dict[str, Any]:
     )  # fmt: skip
     return {
         "cpu": cpu,
+        "vector": vector_extensions(flags),
+        "python_ns": python_loop_ns(),
         "cores": os.cpu_count(),
         "memory_gib": memory_gib,
         "os": platform.platform(),
@@ -218,6 +224,36 @@ def describe_machine() -> dict[str, Any]:
         "commit": (commit.stdout.strip() or "unknown") + (" + uncommitted changes" if changed.stdout.strip() else ""),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def vector_extensions(flags: set[str]) -> str:
+    """The widest x86 vector extension among the CPU's flags (what vLLM's CPU kernels and numpy pick)."""
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX")):
+        if flag in flags:
+            return name
+    return "none known"
+
+
+def python_loop_ns(repeats: int = 5, iterations: int = 200_000) -> float:
+    """Nanoseconds per turn of a fixed pure-Python loop (a dict read, a call, an add), the fastest of
+    `repeats`: the hot loop's figures are Python, and scale with this more than with the CPU's name."""
+    table = {index: index for index in range(64)}
+    read = table.get
+
+    def loop() -> int:
+        total = 0
+        for index in range(iterations):
+            total += read(index & 63, 0)
+        return total
+
+    best = min(_timed(loop) for _ in range(repeats))
+    return round(best / iterations * 1e9, 1)
+
+
+def _timed(call: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    call()
+    return time.perf_counter() - began
 
 
 def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine: dict[str, Any], tiny: bool) -> None:
@@ -231,8 +267,9 @@ def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine
     versions = ", ".join(f"{name} {v}" for name, v in machine["versions"].items())
     blocks = {
         "machine": (
-            f"This report written {machine['date']} at commit `{machine['commit']}`{size}: {machine['cpu']}, "
-            f"{machine['cores']} cores, {machine['memory_gib']} GiB, {machine['os']}, Python {machine['python']}; "
+            f"This report written {machine['date']} at commit `{machine['commit']}`{size}: {machine['cpu']} "
+            f"({machine['vector']}, Python loop {machine['python_ns']} ns), {machine['cores']} cores, "
+            f"{machine['memory_gib']} GiB, {machine['os']}, Python {machine['python']}; "
             f"{versions}. No GPU. Each bench's figures come from its own run, which its result file records:\n\n"
             + _provenance(out_dir)
         ),
@@ -278,7 +315,10 @@ def _provenance(out_dir: Path) -> str:
 
 def _where(measured: dict[str, Any]) -> str:
     if {"cpu", "cores", "memory_gib"} <= measured.keys():
-        return f"{measured['cpu']}, {measured['cores']} cores, {measured['memory_gib']} GiB"
+        where = f"{measured['cpu']}, {measured['cores']} cores, {measured['memory_gib']} GiB"
+        if "vector" in measured and "python_ns" in measured:  # recorded since 2026-12-06
+            where += f", {measured['vector']}, Python loop {measured['python_ns']} ns"
+        return where
     return "not recorded"
 
 
