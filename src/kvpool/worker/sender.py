@@ -9,9 +9,10 @@ the buffer is still saved).
 Small batches are coalesced: a remote put has a fixed cost far above its per-chunk cost (Mooncake:
 ~175 µs of client CPU for a put of one small chunk, ~300 µs for 16), and a decode step usually
 completes a chunk or two. So the sender holds what is queued until it is worth a call (`enough`),
-for at most `linger_steps` engine steps and `linger_s` seconds (an engine that stops stepping still
-gets its last chunks stored), or until `drain` or `close` asks for everything. Each call stores the
-batches taken together (`store(batches)`).
+for at most `linger_steps` calls of `step` (one per worker save; vLLM's adapter makes no save call in
+a step that gives the worker nothing to save, so there these are saving steps) and `linger_s`
+seconds (an engine that stops stepping still gets its last chunks stored), or until `drain` or
+`close` asks for everything. Each call stores the batches taken together (`store(batches)`).
 
 When the pool answers "full", the batches queued behind that put are still put: they hold the newest
 chunks, a pool that evicts in the background (Mooncake) may have room for them, and one that has none
@@ -102,7 +103,7 @@ class Sender(Generic[B]):
         return True
 
     def step(self) -> None:
-        """An engine step went by: batches held for `linger_steps` steps go."""
+        """A save went by (once per engine step that saves): batches held for `linger_steps` of them go."""
         if self.linger_steps:
             with self._lock:
                 self._step += 1
