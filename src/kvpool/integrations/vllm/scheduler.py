@@ -150,7 +150,7 @@ class SchedulerSide:
 
     def absorb(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
-        if isinstance(meta, KVPoolWorkerMetadata):
+        if meta is not None and isinstance(meta, KVPoolWorkerMetadata):  # most steps carry no report
             for report in meta.reports:
                 if self.index is not None:
                     self.index.apply(report)
