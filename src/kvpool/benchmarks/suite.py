@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,14 +247,8 @@ def python_loop_ns(repeats: int = 5, iterations: int = 200_000) -> float:
             total += read(index & 63, 0)
         return total
 
-    best = min(_timed(loop) for _ in range(repeats))
+    best = min(timeit.repeat(loop, number=1, repeat=repeats))
     return round(best / iterations * 1e9, 1)
-
-
-def _timed(call: Callable[[], object]) -> float:
-    began = time.perf_counter()
-    call()
-    return time.perf_counter() - began
 
 
 def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine: dict[str, Any], tiny: bool) -> None:
