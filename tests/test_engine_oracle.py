@@ -204,6 +204,7 @@ class EngineOracle(RuleBasedStateMachine):
         batching=st.sampled_from(["sync", "async", "async", "pp2"]),
         num_ranks=st.sampled_from([1, 2]),
         local_cache=st.sampled_from([True, True, False]),
+        shared_pool=st.booleans(),
     )
     def setup(
         self,
@@ -214,6 +215,7 @@ class EngineOracle(RuleBasedStateMachine):
         batching: str,
         num_ranks: int,
         local_cache: bool,
+        shared_pool: bool = False,
     ) -> None:
         self.runner = runner
         self.reset_reaches_worker = reset_reaches_worker  # the worker told at once, or at its next step
@@ -241,7 +243,8 @@ class EngineOracle(RuleBasedStateMachine):
             worker = WorkerCore(
                 pool,
                 self.coord,
-                [GroupPlacement(space) for space in self.spaces],
+                # the worker's own key spaces, as in its own process: it learns a rename from the step's metadata
+                [GroupPlacement(KeySpace(space.fingerprint)) for space in self.spaces],
                 layout,
                 # the sender takes its batches only when the engine lets it through (`_let_through` drains
                 # it): taken whenever its thread happened to wake, the batches it merges into one put, and
@@ -249,6 +252,8 @@ class EngineOracle(RuleBasedStateMachine):
                 WorkerConfig(
                     put_batch_chunks=4, sync_saves=sync_saves, sync_loads=sync_loads,
                     save_linger_steps=1 << 30, save_linger_s=1e9,
+                    # a shared pool keeps the old weights' chunks at an in-place update: only their names differ
+                    shared_pool=shared_pool,
                 ),
             )
             worker.saves.sender.enough_chunks = worker.saves.sender.enough_bytes = 1 << 62
@@ -267,7 +272,8 @@ class EngineOracle(RuleBasedStateMachine):
         )
         self.policy = self.make_steps(self.scheduler)
         self.version = 0  # the weights: a reset with reset_connector may change them
-        self.key_names: dict[str, tuple[int, bytes]] = {}  # pool key -> (group, chunk hash)
+        # pool key -> (group, chunk hash, the weights its name was built under)
+        self.key_names: dict[str, tuple[int, bytes, int]] = {}
         # the engine's block pool: ref counts, the free queue (evicted from the front), cached hashes
         self.ref = [0] * NUM_BLOCKS
         self.free: list[int] = list(range(1, NUM_BLOCKS))
@@ -312,11 +318,14 @@ class EngineOracle(RuleBasedStateMachine):
         """vLLM's request.block_hashes: full blocks of the tokens the scheduler knows."""
         if req.hash_memo[0] != req.known:
             hashes = chain(req.tokens[: req.known])
-            for g, space in enumerate(self.spaces):
-                for h in hashes:
-                    self.key_names[space.key(h)] = (g, h)
+            self._name(hashes)
             req.hash_memo = (req.known, hashes)
         return req.hash_memo[1]
+
+    def _name(self, hashes: Sequence[bytes]) -> None:
+        for g, space in enumerate(self.spaces):
+            for h in hashes:
+                self.key_names[space.key(h)] = (g, h, self.version)
 
     def table(self, req_id: str) -> tuple[list[int], ...] | None:
         """vLLM's kv_connector_block_state / KVCacheManager.get_block_ids."""
@@ -473,17 +482,7 @@ class EngineOracle(RuleBasedStateMachine):
     def reset(self, reset_connector: bool) -> None:
         """`reset_prefix_cache(reset_running_requests=True, reset_connector=...)`, between steps (with a
         step in flight under async scheduling); with reset_connector, around a weights update."""
-        event("reset: running requests preempted")
-        while self.running:  # vLLM pops from the end, and prepends each to the waiting queue
-            self.preempt(self.running[-1], drop_stale=True)
-        if any(any(req.tables) for req in self.requests.values()):
-            # KVCacheManager.reset_prefix_cache fails while blocks are held: vLLM raises RuntimeError
-            event("reset refused: a request holds blocks waiting for its KV load")
-            return
-        self.block_hash.clear()
-        self.by_hash.clear()
-        self.loaded_blocks.clear()
-        if not reset_connector:
+        if not self._reset_engine() or not reset_connector:
             return
         event("reset: connector too (new weights)")
         self.scheduler.reset()
@@ -495,6 +494,41 @@ class EngineOracle(RuleBasedStateMachine):
             else:
                 rank.pool.clear()  # the worker learns it at its next step, before that step's loads
         self.version += 1
+        self._rename_all()
+
+    def _rename_all(self) -> None:
+        """The weights changed: the names requests' hashes take under the new weights (the same keys after
+        a reset of the connector, which emptied the pools; new ones after an in-place update)."""
+        for req in self.requests.values():
+            self._name(req.hash_memo[1])
+
+    def _reset_engine(self) -> bool:
+        """The engine's part of a reset with running requests; False: vLLM refused it."""
+        event("reset: running requests preempted")
+        while self.running:  # vLLM pops from the end, and prepends each to the waiting queue
+            self.preempt(self.running[-1], drop_stale=True)
+        if any(any(req.tables) for req in self.requests.values()):
+            # KVCacheManager.reset_prefix_cache fails while blocks are held: vLLM raises RuntimeError
+            event("reset refused: a request holds blocks waiting for its KV load")
+            return False
+        self.block_hash.clear()
+        self.by_hash.clear()
+        self.loaded_blocks.clear()
+        return True
+
+    # not yet a rule: with it, hypothesis finds two failing interleavings (FullAttention, Hybrid) still to
+    # be read; the closing note of 2026-12-07 says where this stands
+    def update_weights(self) -> None:
+        """An in-place weight update (vLLM `reload_weights`, the RL weight transfer) with the engine's own
+        `reset_prefix_cache(reset_running_requests=True)` an RL loop makes around it, without resetting the
+        connector: kvpool hears of it from the engine core before the call (`SchedulerSide.weights_changed`),
+        its workers at their next step; the pools keep the old weights' chunks under the old names."""
+        if not self._reset_engine():
+            return  # refused: the loop retries before it updates
+        event("weights updated in place")
+        self.version += 1
+        self.scheduler.change_weights(f"w{self.version}")
+        self._rename_all()
 
     @rule()
     def settle(self) -> None:
@@ -889,12 +923,12 @@ class EngineOracle(RuleBasedStateMachine):
         for rank in self.ranks:
             for key in list(rank.pool.keys()):
                 assert key in self.key_names, f"{key}: a key no request ever named"
-                group, chunk_hash = self.key_names[key]
+                group, chunk_hash, version = self.key_names[key]
                 value = np.zeros(LAYERS * ROW, dtype=np.uint8)
                 if MemoryBackend.get_into(rank.pool, [key], [[value]])[0] is not Status.OK:
                     continue  # evicted meanwhile
                 want = b"".join(
-                    digest(rank.index, group, layer, chunk_hash.hex(), self.version) for layer in range(LAYERS)
+                    digest(rank.index, group, layer, chunk_hash.hex(), version) for layer in range(LAYERS)
                 )
                 assert value.tobytes() == want, f"rank {rank.index}: {key}: the pool holds bytes its key does not name"
 

@@ -211,3 +211,30 @@ def test_a_pool_hit_drops_its_last_block_exactly_when_vllm_drops_a_local_hits() 
     assert drops_eagle_block(SimpleNamespace(speculative_config=speculative("mtp")))
     assert not drops_eagle_block(SimpleNamespace(speculative_config=speculative("eagle", disabled=True)))
     assert not drops_eagle_block(SimpleNamespace(speculative_config=speculative("ngram")))
+
+
+def test_new_weights_at_the_same_path_change_every_key(model_dir: Any, tmp_path: Any) -> None:
+    """A checkpoint rewritten in place with other values (a redeploy, a fine-tune saved over the old one)
+    keeps its path and config: the keys must still change. The same bytes written again (a new mtime)
+    keep them, and `weights_version` changes them for weights kvpool cannot read."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "llama"
+    shutil.copytree(model_dir("llama"), model)
+    spec = vllm_cache.FullAttentionSpec(block_size=64, **ATTENTION)
+
+    def prefixes(config: KVPoolConfig | None = None) -> list[list[str]]:
+        return key_prefixes(plan_model(engine_config(model), kv_cache_config(spec, ["x"]), config or KVPoolConfig()))
+
+    before = prefixes()
+    original = (model / "model.safetensors").read_bytes()
+    weights = load_file(str(model / "model.safetensors"))
+    rescaled = {name: tensor * 1.5 for name, tensor in weights.items()}
+    save_file(rescaled, str(model / "model.safetensors"), metadata={"format": "pt"})
+    assert len((model / "model.safetensors").read_bytes()) == len(original)  # same sizes, same header
+    assert prefixes() != before
+    (model / "model.safetensors").write_bytes(original)
+    assert prefixes() == before
+    assert prefixes(KVPoolConfig(weights_version="rl-step-7")) != before

@@ -31,9 +31,11 @@ Invariants:
   A write that evicts reuses the evicted chunk's file: renamed to the new chunk's temporary name,
   overwritten, renamed into place. A read that had the old file open then fails the key or digest
   check; it answers MISSING (its file is no longer at its path), not CORRUPT.
-- Start-up rebuilds the index with one scan of the directory (the files are the manifest, so no
-  second record can disagree with them), oldest modification first; files beyond the capacity are
-  removed. Measured here: 13.5 µs a file (100,000 files in 1.3 s); files are at least a chunk each, so
+- Start-up rebuilds the index with one scan of the directory (the files are the record, so no
+  second one can disagree with them), oldest modification first; files beyond the capacity are
+  removed, and files of keys outside the opening engine's namespaces (other weights or layouts: the
+  key's prefix says) are reclaimed unread. The directory is one process's (`disk_owner`). Measured
+  here: 13.5 µs a file (100,000 files in 1.3 s); files are at least a chunk each, so
   a tier of C bytes of chunks of c bytes scans in C / c × 13.5 µs (1 TiB of 2 MiB chunks: ~7 s). The
   scheduler of a restarted engine reads each file's header too (`stored_links`), about as long again.
 
@@ -63,6 +65,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +74,9 @@ import numpy as np
 import xxhash
 
 from kvpool.backends.base import Buffer, Status
+from kvpool.backends.disk_owner import Ownership, own, prune, write_manifest
+from kvpool.core.errors import DiskInUseError
+from kvpool.core.keys import KeySpace
 
 log = logging.getLogger("kvpool.disk")
 
@@ -106,13 +112,19 @@ class DiskStats:
     evictions: int = 0
     scan_s: float = 0.0
     removed_at_scan: int = 0
+    reclaimed_at_scan: int = 0  # files of namespaces the tier was not opened for (other weights, layouts)
 
 
 class DiskTier:
     """Sealed chunk files under one directory, LRU by bytes. Thread-safe (writes take turns: one
     reuses the file another evicted, so two at once could rename each other's files); every method may
     block on the file system, so none runs on an engine's thread (the tiered pool calls it from threads
-    of its own: one writer, several readers)."""
+    of its own: one writer, several readers).
+
+    The directory is this process's while the tier is open (`disk_owner`: another process's tier on it
+    raises DiskInUseError here, before the scan touches anything). `namespaces`: the key spaces the
+    opening engine reads; files of any other prefix are reclaimed at the scan, never indexed (None: every
+    key is kept)."""
 
     def __init__(
         self,
@@ -121,8 +133,11 @@ class DiskTier:
         *,
         on_evicted: Callable[[list[str]], None] | None = None,
         direct: bool = False,
+        namespaces: Sequence[KeySpace] | None = None,
     ):
         self.directory = os.path.abspath(directory)
+        self._spaces = list(namespaces or ())
+        self._prefixes = None if namespaces is None else tuple(space.prefix for space in namespaces)
         self.capacity_bytes = capacity_bytes
         self.on_evicted = on_evicted  # called with the keys the tier dropped (evicted, removed)
         self._lock = threading.Lock()
@@ -132,11 +147,42 @@ class DiskTier:
         self._stats = DiskStats(capacity_bytes=capacity_bytes)
         self._write_blocked_until = 0.0
         self._folders: set[str] = set()  # folders the writer made or found (one per model, layout and group)
+        self._owner = self._own()
+        self._release = weakref.finalize(self, self._owner.release) if self._owner is not None else None
         self._scan()
+        if namespaces is not None and self._owner is not None:
+            write_manifest(self.directory, self._spaces)
         self.direct_asked = direct
         self.direct = direct and _direct_works(self.directory)  # O_DIRECT reads and writes (see the module)
         self._flags = _O_DIRECT if self.direct else 0
         self._scratch = np.empty(0, dtype=np.uint8)  # direct writes: the page-aligned file image, reused
+
+    def _own(self) -> Ownership | None:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            return own(self.directory)
+        except DiskInUseError:
+            raise
+        except OSError as error:
+            log.warning("disk tier %s: cannot create the directory (%s); the tier holds nothing", self.directory, error)
+            return None
+
+    def adopt(self, namespaces: Sequence[KeySpace] | None) -> None:
+        """Another engine of this process opens the tier (the named pool outlived the previous one):
+        its namespaces join the manifest. Nothing is reclaimed now: the first engine may still run."""
+        if namespaces is None or self._prefixes is None:
+            return
+        known = set(self._prefixes)
+        new = [space for space in namespaces if space.prefix not in known]
+        if new:
+            self._spaces += new
+            self._prefixes += tuple(space.prefix for space in new)
+            write_manifest(self.directory, self._spaces)
+
+    def close(self) -> None:
+        """Give the directory up (this process's last tier on it releases its lock); files stay."""
+        if self._release is not None:
+            self._release()
 
     # --- the index ---------------------------------------------------------------------------
 
@@ -344,10 +390,7 @@ class DiskTier:
         start = time.perf_counter()
         found: list[tuple[float, str, int]] = []
         removed = 0
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-        except OSError as error:
-            log.warning("disk tier %s: cannot create the directory (%s); the tier holds nothing", self.directory, error)
+        reclaimed: set[str] = set()  # folders files were reclaimed from
         for entry in _walk(self.directory):
             name = entry.name
             if name.endswith(TMP_SUFFIX):
@@ -360,6 +403,11 @@ class DiskTier:
             except OSError:
                 continue
             key = _key_of(self.directory, entry.path)
+            if self._prefixes is not None and not key.startswith(self._prefixes):
+                if _unlink(entry.path):  # never indexed, so never read: another layout's or weights' file
+                    self._stats.reclaimed_at_scan += 1
+                    reclaimed.add(os.path.dirname(entry.path))
+                continue
             found.append((status.st_mtime, key, status.st_size))
         found.sort()
         kept: list[tuple[str, int]] = []
@@ -376,6 +424,13 @@ class DiskTier:
             self._used = total
             self._stats.removed_at_scan = removed
             self._stats.scan_s = time.perf_counter() - start
+        prune(self.directory, reclaimed)
+        if self._stats.reclaimed_at_scan:
+            log.info(
+                "disk tier %s: %d files of other namespaces (weights or layouts) reclaimed at start-up",
+                self.directory,
+                self._stats.reclaimed_at_scan,
+            )
 
     def _path(self, key: str) -> str:
         parts = key.split("/")

@@ -71,8 +71,12 @@ class MemoryBackend:
         return results
 
     def adopt(self, keys: Sequence[str], arrays: Sequence[np.ndarray]) -> list[Status]:
-        """`put` of arrays the caller hands over, stored as they are: no copy (a disk hit promoted into
-        DRAM keeps the read's own buffer). The caller never writes them again; each is 1-D uint8."""
+        """`put` of arrays the caller hands over, stored without a copy where an array holds exactly its
+        own bytes. The caller never writes them again; each is 1-D uint8.
+
+        A view into a larger buffer (a disk read's file buffer: its header, and with O_DIRECT the page
+        padding and alignment) is copied into an array of the value's size: capacity counts each
+        stored array's size, so keeping the whole buffer alive would hold more than it counts."""
         if len(keys) != len(arrays):
             raise ValueError(f"adopt got {len(keys)} keys and {len(arrays)} arrays")
         for array in arrays:
@@ -82,8 +86,15 @@ class MemoryBackend:
             targets = self._reserve_slots(keys, [array.size for array in arrays], take_free=False)
         finally:
             self._announce()
-        taken = [(key, array) for key, array, target in zip(keys, arrays, targets) if not isinstance(target, Status)]
-        self._publish(taken, [])
+        taken: list[tuple[str, np.ndarray]] = []
+        try:
+            for key, array, target in zip(keys, arrays, targets):
+                if isinstance(target, Status):
+                    continue
+                taken.append((key, array if held_nbytes(array) == array.size else np.array(array, copy=True)))
+        finally:
+            reserved = [key for key, target in zip(keys, targets) if not isinstance(target, Status)]
+            self._publish(taken, reserved)
         return [target if isinstance(target, Status) else Status.OK for target in targets]
 
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
@@ -353,3 +364,16 @@ def _writer(values: Values) -> tuple[list[int], _Write]:
             np.concatenate(pieces, out=target)
 
     return [sum(sizes_of(index)) for index in range(len(values))], write
+
+
+def held_nbytes(array: np.ndarray) -> int:
+    """The bytes `array` keeps alive: those of the allocation it views (its own when it owns them)."""
+    root: object = array
+    while isinstance(root, np.ndarray) and root.base is not None:
+        root = root.base
+    if isinstance(root, np.ndarray):
+        return int(root.nbytes)
+    try:
+        return memoryview(root).nbytes  # type: ignore[arg-type]
+    except TypeError:
+        return int(array.nbytes)

@@ -41,6 +41,7 @@ from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.backends.disk import DiskStats, DiskTier
 from kvpool.backends.memory import MemoryBackend, _pieces, _writer
 from kvpool.core.errors import ConfigError
+from kvpool.core.keys import KeySpace
 
 log = logging.getLogger("kvpool.tiered")
 
@@ -92,6 +93,9 @@ class TieredPool:
         self._tier_listeners: list[Callable[[list[str], bool], None]] = []
         self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvpool-disk-read")
         self._read_blocked_until = 0.0
+        # reads fence on clears: a read that started before one never fills, promotes or reports
+        self._generation = 0  # clears so far
+        self._fence = threading.Lock()  # a clear against a read's check-and-promote; taken before _lock
         disk.on_evicted = self._disk_dropped
         memory.on_stored = self._offer
         memory.add_listener(self._memory_dropped)
@@ -139,11 +143,16 @@ class TieredPool:
                     self._links.pop(key, None)  # taken by `_offer` when queued; otherwise not needed
 
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
+        """DRAM first, then the disk. A clear while this runs (a reset) fails every chunk it read: the
+        bytes are from before it (the caller recomputes them), and none of them is promoted."""
+        generation = self._generation
         results = self.memory.get_into(keys, dests)
         contains = self.disk.contains
         wanted = [i for i, status in enumerate(results) if status is Status.MISSING and contains(keys[i])]
         if wanted:
-            self._read_disk(keys, dests, wanted, results)
+            self._read_disk(keys, dests, wanted, results, generation)
+        if self._generation != generation:
+            return [Status.UNAVAILABLE if status is Status.OK else status for status in results]
         self.disk.touch([keys[i] for i in reversed(range(len(keys))) if results[i] is Status.OK])
         return results
 
@@ -155,6 +164,12 @@ class TieredPool:
         return max(on_disk, in_memory)
 
     def clear(self) -> int:
+        """Empty both tiers; a disk read still running answers UNAVAILABLE and promotes nothing."""
+        with self._fence:
+            self._generation += 1
+            return self._clear()
+
+    def _clear(self) -> int:
         with self._lock:
             dropped = list(self._queue)
             self._queue.clear()
@@ -255,6 +270,7 @@ class TieredPool:
         self._reads.shutdown(wait=False)
         self.memory.on_stored = None
         self.memory.remove_listener(self._memory_dropped)
+        self.disk.close()  # the directory's lock: another process may own it from now on
 
     # --- write-behind --------------------------------------------------------------------------
 
@@ -313,8 +329,11 @@ class TieredPool:
 
     # --- reads ---------------------------------------------------------------------------------
 
-    def _read_disk(self, keys: Sequence[str], dests: Values, wanted: list[int], results: list[Status]) -> None:
-        """Read `keys[i]` for each i in `wanted` from disk into `dests[i]`, within the read deadline."""
+    def _read_disk(
+        self, keys: Sequence[str], dests: Values, wanted: list[int], results: list[Status], generation: int
+    ) -> None:
+        """Read `keys[i]` for each i in `wanted` from disk into `dests[i]`, within the read deadline;
+        promoted into DRAM unless the pool was cleared since `generation` (the caller's start)."""
         if time.monotonic() < self._read_blocked_until:
             for i in wanted:
                 results[i] = Status.UNAVAILABLE
@@ -357,10 +376,21 @@ class TieredPool:
             self._stats.disk_hits += hits
             self._stats.disk_late += late
             self._stats.promoted += len(promote)
-        if promote:  # head to tail, as the caller asked: DRAM's put touches them tail first
+        with self._fence:
+            if self._generation != generation:
+                # the pool was cleared while these files were read: their bytes are from before the
+                # reset, so the destinations count as unwritten and nothing is promoted
+                for i in wanted:
+                    results[i] = Status.UNAVAILABLE
+                log.info("disk tier: %d reads overtaken by a clear were dropped (recomputed)", len(wanted))
+                return
+            if not promote:
+                return
+            # head to tail, as the caller asked: DRAM's put touches them tail first; under the fence, so
+            # no clear comes between the check above and what lands in DRAM (and, by it, on disk)
             promoted = [key for key, _ in promote]
-            statuses = self.memory.adopt(promoted, [value for _, value in promote])  # the read's buffers: no copy
-            self._moved([key for key, status in zip(promoted, statuses) if status is Status.OK], on_disk=False)
+            statuses = self.memory.adopt(promoted, [value for _, value in promote])
+        self._moved([key for key, status in zip(promoted, statuses) if status is Status.OK], on_disk=False)
 
     # --- what leaves the pool ------------------------------------------------------------------
 
@@ -416,13 +446,20 @@ def shared_tiered_pool(
     disk_capacity_bytes: int,
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     direct: bool = False,
+    namespaces: Sequence[KeySpace] | None = None,
 ) -> TieredPool:
     """The process-wide tiered pool called `name` (see `shared_memory_pool`): built once, its disk
-    tier scanned then; later engines in the process share it. `direct`: O_DIRECT file I/O."""
+    tier scanned then (its directory locked to this process: DiskInUseError if another holds it); later
+    engines in the process share it. `direct`: O_DIRECT file I/O. `namespaces`: the key spaces the
+    engine reads, whose files the tier keeps (the scan reclaims the rest; None: keeps every file)."""
     with _shared_lock:
         pool = _shared.get(name)
         if pool is None:
-            disk = DiskTier(disk_dir, disk_capacity_bytes, direct=direct)
+            directory = os.path.abspath(disk_dir)
+            for other, held in _shared.items():
+                if held.disk.directory == directory:  # two tiers' indexes would evict each other's files
+                    raise ConfigError("disk_path", disk_dir, f"a directory pool {other!r} of this process does not use")
+            disk = DiskTier(disk_dir, disk_capacity_bytes, direct=direct, namespaces=namespaces)
             pool = _shared[name] = TieredPool(MemoryBackend(capacity_bytes), disk, read_timeout_s=read_timeout_s)
             return pool
         for key, value, created in (
@@ -435,6 +472,7 @@ def shared_tiered_pool(
                 value = os.path.abspath(disk_dir)
             if value != created:
                 raise ConfigError(key, value, f"{created!r} (what pool {name!r} was created with)")
+        pool.disk.adopt(namespaces)
         return pool
 
 

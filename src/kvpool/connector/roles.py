@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpool.backends.base import Backend
@@ -66,6 +66,16 @@ class SchedulerRole:
         except Exception:
             log.exception("could not empty the pool")
             return False
+
+    def change_weights(self, tag: str) -> None:
+        """The engine's weights change in place: keys take the new name `tag` from the next step on, and
+        everything cached, queued or in flight is dropped as by a reset (see `SchedulerCore.change_weights`);
+        a shared pool keeps the old weights' chunks (other engines may still run them), this engine just
+        never finds them again, and its KV events withdraw them."""
+        self.core.change_weights(tag)
+        if self.events is not None:
+            self.events.reset(self.core.reset_epoch)
+            self.events.rename(self.core.namespaces)
 
     def close(self) -> None:
         self.core.close()
@@ -126,10 +136,13 @@ def scheduler_role(
 
 def _assume_disk_contents(index: PoolIndex, config: KVPoolConfig, plan: ModelPlan) -> None:
     """Count what every rank's disk tier holds before any rank reports (an engine restarted onto its
-    directory hits from its first request); each rank's first report then replaces this."""
-    spaces = [space for spaces in plan.lookup_namespaces() for space in spaces]
+    directory hits from its first request); each rank's first report then replaces this. Only keys of the
+    rank's own namespaces count: the rank's scan reclaims every other file (other weights, layouts)."""
     for rank in range(plan.tp_size * plan.pp_size):
-        links = stored_links(config.disk_dir(rank))  # each file's parent: the chains its events announce
+        own = replace(plan, tp_rank=rank % plan.tp_size, pp_rank=rank // plan.tp_size)  # that rank's plan
+        spaces = [placement.keys for placement in own.placements()]
+        # each file's parent: the chains its events announce
+        links = stored_links(config.disk_dir(rank, plan.dp_rank))
         on_disk = list(links)
         report = PoolTracker(rank, spaces, on_disk, disk_only=on_disk, parents=list(links.values())).take_report()
         if report is not None:
@@ -148,6 +161,7 @@ def worker_config(config: KVPoolConfig) -> WorkerConfig:
         save_linger_steps=config.save_linger_steps,
         save_linger_s=config.save_linger_ms / 1000,
         sync_loads=sync_loads,
+        shared_pool=not in_process_pool,
     )
 
 
@@ -172,8 +186,9 @@ def worker_role(
 ) -> WorkerRole:
     """`report_puts`: a shared pool's worker reports what its puts stored, for the scheduler's KV events
     (an embedded pool's worker always reports what its pool holds: the scheduler's index is made of it)."""
-    backend = make_backend(config.backend, config.backend_options(plan.rank))
     placements = plan.placements()
+    options = config.backend_options(plan.rank, dp_rank=plan.dp_rank, namespaces=[p.keys for p in placements])
+    backend = make_backend(config.backend, options)
     tracker: PoolTracker | PutTracker | None = None
     if isinstance(backend, (MemoryBackend, TieredPool)):
         disk_only = backend.disk_only_keys() if isinstance(backend, TieredPool) else []

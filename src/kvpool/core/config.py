@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import ConfigError
 from kvpool.core.mooncake_options import MooncakeOptions
 from kvpool.core.sizes import parse_size
+
+if TYPE_CHECKING:
+    from kvpool.core.keys import KeySpace
 
 __all__ = ["BACKEND_NAMES", "ConfigError", "Integrity", "KVPoolConfig", "parse_size"]
 
@@ -39,6 +43,7 @@ class KVPoolConfig:
     retention_interval: int | str | None = "engine"  # "engine": the engine's own; None: every boundary
     tenant: str = ""
     model_id: str = ""
+    weights_version: str = ""  # names weights kvpool cannot read (a custom loader): change it with the weights
     lookup_async: bool | None = None  # None: async when lookups leave the process
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     lookup_wait_ms: float = DEFAULT_LOOKUP_WAIT_MS
@@ -102,7 +107,7 @@ class KVPoolConfig:
             raise ConfigError(
                 "retention_interval", self.retention_interval, '"engine", null, 0, or a positive token count'
             )
-        for key in ("tenant", "model_id"):
+        for key in ("tenant", "model_id", "weights_version"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(key, getattr(self, key), "a string")
         if (
@@ -165,13 +170,18 @@ class KVPoolConfig:
             return self.backend == "memory"
         return self.check_exists_before_put
 
-    def backend_options(self, rank: int = 0) -> dict[str, Any]:
-        """The backend's own settings; `rank`: whose directory of the disk tier (each rank has its own)."""
+    def backend_options(
+        self, rank: int = 0, *, dp_rank: int = 0, namespaces: Sequence[KeySpace] | None = None
+    ) -> dict[str, Any]:
+        """The backend's own settings; `rank`, `dp_rank`: whose directory of the disk tier (each rank of
+        each engine has its own); `namespaces`: the rank's key spaces, whose files its disk tier keeps
+        (None: every file, for tools that open a tier without an engine)."""
         if self.backend == "memory":
             options: dict[str, Any] = {"name": self.pool_name, "capacity_bytes": self.capacity_bytes}
             if self.disk_path is not None:
                 options.update(
-                    disk_dir=self.disk_dir(rank),
+                    disk_dir=self.disk_dir(rank, dp_rank),
+                    namespaces=namespaces,
                     disk_capacity_bytes=self.disk_capacity_bytes,
                     read_timeout_s=self.disk_read_timeout_ms / 1000,
                     direct=self.disk_io == "direct",
@@ -179,6 +189,8 @@ class KVPoolConfig:
             return options
         return dict(self.mooncake)
 
-    def disk_dir(self, rank: int) -> str:
+    def disk_dir(self, rank: int, dp_rank: int = 0) -> str:
+        """A rank's directory: `rank<N>` on data-parallel rank 0 (what every engine had before DP ranks
+        were told apart: an upgrade keeps its tier), `dp<D>-rank<N>` on DP rank D."""
         assert self.disk_path is not None
-        return os.path.join(self.disk_path, f"rank{rank}")
+        return os.path.join(self.disk_path, f"rank{rank}" if dp_rank == 0 else f"dp{dp_rank}-rank{rank}")

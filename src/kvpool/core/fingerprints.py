@@ -3,9 +3,10 @@ adapter reads out of its engine's config.
 
 Invariants:
 - Whatever may change a chunk's bytes is in its group's fingerprint, so two engines whose bytes may
-  differ never share a key: the model (or `model_id`), the weights digest (revision, code revision,
-  quantization, model dtype, load format, the seed of dummy weights, KV cache dtype, the model config
-  less its private keys and library version), the group's dtype, block size, page size, head shape
+  differ never share a key: the model (or `model_id`), the weights digest (the checkpoint's own digest
+  from `checkpoint.py`, the `weights_version` setting and the engine's in-place weight updates, revision,
+  code revision, quantization, model dtype, load format, the seed of dummy weights, KV cache dtype, the
+  model config less its private keys and library version), the group's dtype, block size, page size, head shape
   and KV quantization, the device, tensor layout and kernel build, the attention kind, the block-hash
   algorithm and its seed, the tenant and what a chunk's seal covers.
 - Nothing here depends on the role, the rank or the process, so the scheduler and every worker of an
@@ -46,6 +47,14 @@ class WeightsFacts:
     load_format: str = "auto"
     seed: int | None = None  # counts only for dummy weights, which follow it
     hf_config: Mapping[str, Any] = field(default_factory=dict)  # after the engine's overrides
+    checkpoint: str | None = None  # checkpoint.checkpoint_digest: the weight files' own digest
+    version: str = ""  # the `weights_version` setting: what names weights nothing else can see
+
+
+def weights_named(facts: WeightsFacts) -> bool:
+    """Whether something names the weights' values, not only their path: the checkpoint's digest, the
+    operator's `weights_version`, or dummy weights (their seed decides them)."""
+    return facts.checkpoint is not None or bool(facts.version) or "dummy" in facts.load_format
 
 
 def weights_digest(facts: WeightsFacts) -> str:
@@ -59,6 +68,8 @@ def weights_digest(facts: WeightsFacts) -> str:
         "load_format": facts.load_format,
         "seed": facts.seed if "dummy" in facts.load_format else None,
         "hf_config": config,
+        "checkpoint": facts.checkpoint,
+        "version": facts.version,
     }
     text = json.dumps(named, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()

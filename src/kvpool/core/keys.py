@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import overload
 
 from kvpool.core.errors import LayoutError
@@ -44,13 +44,24 @@ class LayoutFingerprint:
 
 
 class KeySpace:
-    """Builds key strings for one group: one string per chunk, no per-key objects."""
+    """Builds key strings for one group: one string per chunk, no per-key objects.
 
-    __slots__ = ("fingerprint", "prefix")
+    `retag` renames the space in place when the engine's weights change while it runs (an in-place
+    update): every holder of the space builds the new keys from then on, and what was stored under the old
+    ones is never found again."""
+
+    __slots__ = ("base", "fingerprint", "prefix")
 
     def __init__(self, fingerprint: LayoutFingerprint) -> None:
+        self.base = fingerprint  # as the engine started
         self.fingerprint = fingerprint
         self.prefix = fingerprint.key_prefix()
+
+    def retag(self, weights_tag: str) -> None:
+        """Name the weights loaded since the engine started ("": the ones it started with)."""
+        weights = f"{self.base.weights}@{weights_tag}" if weights_tag else self.base.weights
+        self.fingerprint = replace(self.base, weights=weights)
+        self.prefix = self.fingerprint.key_prefix()
 
     def key(self, chunk_hash: bytes) -> str:
         return self.prefix + chunk_hash.hex()

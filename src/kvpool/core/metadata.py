@@ -34,6 +34,9 @@ class StepMetadata:
     requests: list[RequestDelta] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     reset_epoch: int = 0  # pool resets so far: a worker that sees it grow drops every earlier save
+    # names the weights loaded since the engine started ("": the ones it started with); it changes with a
+    # reset epoch, and a worker that sees it change renames its key spaces before that step's loads
+    weights_tag: str = ""
     # loads the engine waits for that the scheduler could not arm (no block table): every worker
     # reports them finished and failed, so the engine recomputes instead of waiting forever
     failed_loads: list[str] = field(default_factory=list)

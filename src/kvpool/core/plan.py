@@ -43,6 +43,7 @@ class ModelPlan:
     pp_size: int = 1
     shared_pool: bool = True  # False: each rank has a pool of its own (embedded), which it must fill itself
     drop_last_hit_block: bool = False  # a pool hit ends one boundary earlier, as the engine's own hits do
+    dp_rank: int = 0  # the data-parallel engine: each has its own disk tier directories
 
     @property
     def shard(self) -> int:
@@ -80,6 +81,7 @@ class Parallelism:
     tp_size: int = 1
     pp_size: int = 1
     kv_tp_replicas: int = 1  # consecutive TP ranks holding identical KV, as the engine publishes it; < 1: 1
+    dp_rank: int = 0  # which data-parallel engine: no key names it (DP ranks' KV is alike), its disk tier does
 
 
 @dataclass(frozen=True)
@@ -120,4 +122,5 @@ def build_plan(engine: EngineFacts, config: KVPoolConfig) -> ModelPlan:
         pp_size=parallel.pp_size,
         shared_pool=config.backend != "memory",  # each embedded pool belongs to one rank
         drop_last_hit_block=engine.drop_last_hit_block,
+        dp_rank=parallel.dp_rank,
     )

@@ -102,12 +102,8 @@ class PoolIndex:
     PP stage); `ranks_per_namespace` says how many ranks load from (so must hold) each of them."""
 
     def __init__(self, namespaces: Sequence[Sequence[KeySpace]], ranks_per_namespace: int = 1) -> None:
-        self.group_prefixes = [[space.prefix for space in spaces] for spaces in namespaces]
-        self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
+        self.rename(namespaces)
         self.needed = ranks_per_namespace
-        self._counts: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}
-        self._disk: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}  # ranks: disk only
-        self._chains: dict[str, _Chains] = {prefix: _Chains() for prefix in self._group_of}
         self.epoch = 0
         self.track_events = False
         self._events: list[PoolEvent] = []
@@ -251,6 +247,18 @@ class PoolIndex:
     def _on_disk(self, group: int, chunk_hash: bytes) -> bool:
         return any(self._disk[prefix].get(chunk_hash, 0) > 0 for prefix in self.group_prefixes[group])
 
+    def any_on_disk(self, group: int) -> bool:
+        """Does some rank hold any chunk of the group on its disk tier only? (O(namespaces): a pool
+        without a disk tier, or with everything in DRAM, answers a hit's tier without a chunk probe.)"""
+        return any(self._disk[prefix] for prefix in self.group_prefixes[group])
+
+    def on_disk(self, group: int, chunk_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether some rank holds each chunk on its disk tier only: a load of it reads that disk."""
+        disk = [self._disk[prefix] for prefix in self.group_prefixes[group]]
+        if len(disk) == 1:
+            return list(map(disk[0].__contains__, chunk_hashes))  # counts are > 0 or absent
+        return [any(h in held for held in disk) for h in chunk_hashes]
+
     def _tiers_before(self, report: PoolReport) -> dict[tuple[int, bytes], bool | None]:
         """The chunks whose tier the report moves, with their tier before it (None: not present then)."""
         before: dict[tuple[int, bytes], bool | None] = {}
@@ -286,6 +294,15 @@ class PoolIndex:
             chains.clear()
         self._assumed.clear()
         self.epoch = epoch
+
+    def rename(self, namespaces: Sequence[Sequence[KeySpace]]) -> None:
+        """Index the spaces under their current names, holding nothing (at start-up, or once `reset` has
+        emptied the index for the engine's new weights)."""
+        self.group_prefixes = [[space.prefix for space in spaces] for spaces in namespaces]
+        self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
+        self._counts: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}
+        self._disk: dict[str, dict[bytes, int]] = {prefix: {} for prefix in self._group_of}  # ranks: disk only
+        self._chains: dict[str, _Chains] = {prefix: _Chains() for prefix in self._group_of}
 
     def take_events(self) -> list[PoolEvent]:
         events, self._events = self._events, []

@@ -9,9 +9,10 @@ needs (TP shards stripe their puts, so the ranks of a shard put different chunks
 
 Invariants: a chunk is announced only after a put of it succeeded in every namespace of its group, and
 never twice while it is remembered; what waits for its other namespaces is bounded (`limit` chunks,
-oldest forgotten first: a chunk forgotten there is simply not announced). Removals are not learned, so
+oldest forgotten first: a chunk forgotten there is simply not announced). Evictions are not learned, so
 none is published: a consumer must treat these events as hints that can go stale (their `locality`
-says whether the bytes are in this engine's own segment). A reset empties the pool and forgets all.
+says whether the bytes are in this engine's own segment). A reset empties the pool and withdraws every
+chunk still remembered as announced (a removal each), then forgets all.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ class RemoteEvents:
     def __init__(self, namespaces: Sequence[Sequence[KeySpace]], limit: int = DEFAULT_LIMIT) -> None:
         if limit < 1:
             raise ValueError(f"remote events limit {limit}: expected at least 1 chunk")
-        self.group_prefixes = [[space.prefix for space in spaces] for spaces in namespaces]
-        self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
+        self.rename(namespaces)
         self.limit = limit
         self.epoch = 0
         # (group, chunk) -> the namespaces it was put in so far, and its parent once known
@@ -67,11 +67,20 @@ class RemoteEvents:
             while len(table) > self.limit:
                 table.popitem(last=False)
 
+    def rename(self, namespaces: Sequence[Sequence[KeySpace]]) -> None:
+        """Follow the spaces under their current names (the engine's weights changed: see `reset`)."""
+        self.group_prefixes = [[space.prefix for space in spaces] for spaces in namespaces]
+        self._group_of = {prefix: group for group, prefixes in enumerate(self.group_prefixes) for prefix in prefixes}
+
     def take_events(self) -> list[PoolEvent]:
         events, self._events = self._events, []
         return events
 
     def reset(self, epoch: int) -> None:
+        """The pool was emptied (or this engine's keys renamed): every chunk announced is withdrawn, a
+        `BlockRemoved` each, so a router's indexer forgets what it scored this engine for. (vLLM's own
+        `AllBlocksCleared` names the engine's cache, and a consumer may read it as that medium only.)"""
+        self._events.extend(PoolEvent(group, chunk_hash, False) for group, chunk_hash in self._announced)
         self.epoch = epoch
         self._waiting.clear()
         self._announced.clear()

@@ -57,6 +57,7 @@ class SchedulerStats:
     states_taken: int = 0
     states_partial: int = 0  # sub-block boundaries (vLLM's partial hash hits): not a chunk, never stored
     states_dropped: int = 0  # not a reachable boundary, past the save limit, null, or no live request
+    weight_changes: int = 0  # in-place weight changes: each renamed every key space
 
 
 @dataclass
@@ -122,6 +123,7 @@ class SchedulerCore:
         self._trackers: dict[str, _Tracker] = {}
         self._load_failed: set[str] = set()  # never offer these requests a pool hit again
         self.reset_epoch = 0  # pool resets so far
+        self.weights_tag = ""  # the weights loaded since start-up ("": the ones it started with)
         self._lcm = coordinator.lcm
         self._executor: ThreadPoolExecutor | None = None
 
@@ -392,6 +394,11 @@ class SchedulerCore:
         tracker = self._trackers.get(req_id)
         return tracker is not None and tracker.started
 
+    def armed_load(self, req_id: str) -> LoadSpec | None:
+        """The load `on_allocated` armed for the request, until its step's delta takes it."""
+        tracker = self._trackers.get(req_id)
+        return tracker.load if tracker is not None else None
+
     def mark_load_failed(self, req_id: str) -> None:
         """A load for the request failed: it recomputes, and later lookups must not offer the same hit
         (the pool still lists the chunks, so the engine would load and fail forever). What failed is
@@ -426,6 +433,20 @@ class SchedulerCore:
         self.reset_epoch += 1
         if self.index is not None:
             self.index.reset(self.reset_epoch)
+
+    def change_weights(self, tag: str) -> None:
+        """The engine's weights change in place (before its next step): every key space takes the new
+        name, so nothing stored under the old weights is found, and the change is a reset for everything
+        cached or in flight (the next step's `reset_epoch` and `weights_tag` tell the workers). A shared
+        pool is not emptied: other engines' KV of the old weights stays theirs."""
+        self.weights_tag = tag
+        self.stats.weight_changes += 1
+        for spaces in self.namespaces:
+            for space in spaces:
+                space.retag(tag)
+        self.reset()  # the index forgets (and announces) what it held under the old names first
+        if self.index is not None:
+            self.index.rename(self.namespaces)
 
     def active_requests(self) -> int:
         return len(self._trackers) + len(self._lookups) + len(self._load_failed)

@@ -92,6 +92,7 @@ class Loader:
         self._finished: set[str] = set()
         self._failed: dict[str, list[ChunkRef]] = {}
         self._running: set[_Load] = set()  # started and not settled
+        self._reported: dict[str, list[ChunkRef]] = {}  # settled, not yet taken: every chunk of the load
         self._to_commit: list[_Load] = []  # read on a call thread, committed by the engine's at its next step
         self._closed = False
         self._calls: ThreadPoolExecutor | None = None
@@ -290,13 +291,14 @@ class Loader:
             self.buffers.give(buffer)
         taken.clear()
 
-    def _settle(self, load: _Load) -> None:
-        """Report the load finished, its uncommitted chunks failed; only the first call does anything."""
+    def _settle(self, load: _Load, whole: bool = False) -> None:
+        """Report the load finished, its uncommitted chunks failed (`whole`: every chunk); only the first
+        call does anything."""
         with load.lock:
             if load.settled:
                 return
             load.settled = True
-            failed = load.remaining_failed()
+            failed = load.items + load.missing if whole else load.remaining_failed()
         with self._lock:
             self.stats.chunks_load_failed += len(failed)
         try:
@@ -306,8 +308,23 @@ class Loader:
                 if failed:
                     self._failed.setdefault(load.req_id, []).extend(failed)
                 self._finished.add(load.req_id)
+                self._reported[load.req_id] = load.items + load.missing
                 self._running.discard(load)
                 self._idle.notify_all()
+
+    def fence(self) -> int:
+        """A pool reset: every load still running is reported failed as a whole, now, so nothing it read
+        (from before the reset) is used: the engine recomputes those blocks. A read that returns later
+        finds its load settled and lands only in its own buffer. Returns how many loads were fenced."""
+        with self._lock:
+            running = list(self._running)
+        for load in running:
+            self._settle(load, whole=True)  # waits for a batch being committed, then fails it too
+        with self._lock:
+            # loads that ended before the reset but are not yet reported: their bytes are as old
+            for req_id in self._finished:
+                self._failed[req_id] = list(self._reported.get(req_id, ()))
+        return len(running)
 
     def _watch(self) -> None:
         """While loads run, give up those of a pool that stopped answering (its breaker opened)."""
@@ -333,6 +350,8 @@ class Loader:
             return set()
         with self._lock:
             finished, self._finished = self._finished, set()
+            for req_id in finished:
+                self._reported.pop(req_id, None)
         return finished
 
     def take_failed(self) -> dict[str, list[ChunkRef]]:

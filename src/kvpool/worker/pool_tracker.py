@@ -32,7 +32,7 @@ class PoolTracker:
         parents: Sequence[bytes | None] | None = None,
     ) -> None:
         self.rank = rank
-        self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
+        self.rename(spaces)
         self._lock = threading.Lock()
         self._held: set[str] = set()
         self._changed: dict[str, bool] = {}  # key -> whether it was held at the previous report
@@ -45,6 +45,10 @@ class PoolTracker:
         # its files name
         self.stored(pool_keys, parents)
         self.moved(disk_only, on_disk=True)
+
+    def rename(self, spaces: Sequence[KeySpace]) -> None:
+        """Follow the spaces under their current names (the engine's weights changed; a reset follows)."""
+        self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
 
     def _split(self, key: str) -> tuple[str, bytes] | None:
         for prefix in self.prefixes:
@@ -138,10 +142,13 @@ class PutTracker:
 
     def __init__(self, rank: int, spaces: Sequence[KeySpace]) -> None:
         self.rank = rank
-        self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
+        self.rename(spaces)
         self.epoch = 0
         self._lock = threading.Lock()
         self._put: dict[str, bytes | None] = {}
+
+    def rename(self, spaces: Sequence[KeySpace]) -> None:
+        self.prefixes = sorted({space.prefix for space in spaces}, key=len, reverse=True)
 
     def stored(self, keys: Sequence[str], parents: Sequence[bytes | None] | None = None) -> None:
         with self._lock:

@@ -54,6 +54,8 @@ class WorkerConfig:
     # load in the caller's thread: right for an in-process pool, where a load is a memcpy and a loader
     # thread would only wait for the GIL while the engine loop spins; remote pools load on a thread
     sync_loads: bool = False
+    # other engines read the pool (Mooncake): an in-place weight change leaves it as it is
+    shared_pool: bool = False
 
 
 class WorkerCore:
@@ -77,6 +79,7 @@ class WorkerCore:
         self.config = config or WorkerConfig()
         # an embedded pool's contents for the scheduler's index, or a shared pool's puts for its KV events
         self.tracker = tracker
+        self.weights_tag = ""  # the name of the weights loaded since start-up ("": the ones it started with)
         self.stats = WorkerStats()
         self._lock = threading.Lock()
         self._planner = SavePlanner(coordinator, self.placements, self.stats)
@@ -133,7 +136,9 @@ class WorkerCore:
         the loads the scheduler could not arm as failed."""
         if step.preempted:
             self.preempt(step.preempted)
-        if step.reset_epoch > self.saves.epoch:
+        if step.weights_tag != self.weights_tag:
+            self.change_weights(step.weights_tag, step.reset_epoch)
+        elif step.reset_epoch > self.saves.epoch:
             self.reset(step.reset_epoch)  # not reached directly by the scheduler
         for req_id in step.failed_loads:
             self.loads.fail(req_id)
@@ -165,25 +170,45 @@ class WorkerCore:
         with self._lock:
             self._planner.finish(req_ids)
 
-    def reset(self, epoch: int, wait_s: float = RESET_WAIT_S) -> int:
+    def reset(self, epoch: int, wait_s: float = RESET_WAIT_S, *, clear: bool = True) -> int:
         """Empty the pool (vLLM `reset_prefix_cache(reset_connector=True)`, maybe for new weights) so
         that no save taken before lands after: queued ones are dropped (their epoch is old), a put
         already running is waited for, then the pool is emptied. The live requests' KV was computed
-        before the reset, so they never save again. Returns how many chunks went (-1: failed).
+        before the reset, so they never save again. Every load still reading is reported failed as a
+        whole (recomputed), and a tiered pool drops what its disk reads bring back after the clear: no
+        read that started before the reset stores, promotes or reports what it read. Returns how many
+        chunks went (-1: failed). `clear=False`: the pool keeps its chunks (a shared pool whose chunks
+        this engine no longer names: `change_weights`).
 
         The scheduler calls it directly when it can reach the worker (same process); other workers
         run it at their next step, before any load of that step."""
         with self._lock:
             self.stats.resets += 1
             self.saves.begin_reset(epoch, wait_s)
+        fenced = self.loads.loader.fence()  # before the clear: what they read is from before the reset
+        if fenced:
+            log.info("reset: %d loads still reading were reported failed (recomputed)", fenced)
         try:
-            return self.backend.clear()
+            return self.backend.clear() if clear else 0
         except Exception:
             log.exception("could not empty the pool after a reset")
             return -1
         finally:
             if self.tracker is not None:
                 self.tracker.reset(epoch)
+
+    def change_weights(self, tag: str, epoch: int) -> None:
+        """The engine's weights changed in place: every key this rank builds from now on names `tag`, and
+        the change is a reset for what was taken before it (queued saves dropped, loads still reading
+        reported failed, live requests never saved again). An embedded pool is emptied as by a reset; a
+        shared one keeps the old weights' chunks for the engines that still run them (no key of this
+        engine names them again)."""
+        for placement in self.placements:
+            placement.keys.retag(tag)
+        if self.tracker is not None:
+            self.tracker.rename([placement.keys for placement in self.placements])
+        self.weights_tag = tag
+        self.reset(max(epoch, self.saves.epoch), clear=not self.config.shared_pool)
 
     @property
     def under_pressure(self) -> bool:

@@ -33,6 +33,7 @@ from kvpool.integrations.vllm.metadata import KVPoolMetadata
 from kvpool.integrations.vllm.metrics import KVPoolPromMetrics, KVPoolStats
 from kvpool.integrations.vllm.plan import plan_model
 from kvpool.integrations.vllm.scheduler import SchedulerSide
+from kvpool.integrations.vllm.weights import watch_engine_core
 from kvpool.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, self.plan, self.engine_id, vllm_config)
             self._scheduler.describe_groups(kv_cache_config)
+            watch_engine_core()  # in-place weight changes reach `weights_changed` before they run
         else:
             events = getattr(vllm_config, "kv_events_config", None)
             self._worker = WorkerSide(
@@ -87,6 +89,25 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a future miss, never an error
+
+    # ---- sleep mode (vLLM 0.33's contract; vLLM 0.32 asks none of it) ---------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, *args: Any, **kwargs: Any) -> bool:
+        """False: vLLM refuses sleep mode with kvpool (`--enable-sleep-mode`). Sleep unmaps the KV cache
+        (and weights) under kvpool's Mooncake memory registrations, its device staging and any save
+        or load in flight, and a wake-up may bring other weights, whose keys would still find what the
+        old ones stored. (Any arguments: vLLM versions differ on whether the config is passed.)"""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        _refuse_sleep("unregister_kv_caches")
+
+    def release_kv_caches(self) -> None:  # the same hook under the name some vLLM versions call it
+        _refuse_sleep("release_kv_caches")
+
+    def restore_kv_caches(self) -> None:
+        _refuse_sleep("restore_kv_caches")
 
     # ---- worker role ---------------------------------------------------------------------------
 
@@ -157,6 +178,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side.matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's `prompt_tokens_cached_by_source`: host (the embedded pool's DRAM), disk (its disk tier),
+        external_unspecified (a Mooncake pool: a remote store). Keys are vLLM's `CacheHitSource`."""
+        return self._scheduler_side.hit_sources(request, num_external_tokens)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
@@ -177,6 +203,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         """`reset_prefix_cache(reset_connector=True)`: empty the pool."""
         return self._scheduler_side.reset()
+
+    def weights_changed(self, tag: str) -> None:
+        """Called by kvpool's wrap of vLLM's engine core before a call that may change the weights."""
+        self._scheduler_side.weights_changed(tag)
 
     def take_events(self) -> list[KVCacheEvent]:
         return self._scheduler_side.take_events()
@@ -201,3 +231,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _refuse_sleep(hook: str) -> None:
+    """Reached only by a vLLM that ignored `supports_sleep_mode() == False`: stopping the sleep is safer
+    than letting the pool's registrations and staging outlive the memory under them."""
+    raise RuntimeError(
+        f"kvpool: vLLM called {hook}() for sleep mode, which kvpool does not support "
+        "(supports_sleep_mode() is False); run the engine without --enable-sleep-mode"
+    )

@@ -125,6 +125,9 @@ SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "load_wait_steps", "load_wait_steps", "Scheduler steps from a load's allocation to its reported finish, summed."
     ),
+    MetricSpec(
+        "weight_changes", "weight_changes", "In-place weight changes of the engine: each one renamed every key."
+    ),
 )
 COUNTERS: tuple[MetricSpec, ...] = WORKER_COUNTERS + BACKEND_COUNTERS + SCHEDULER_COUNTERS
 POOL_GAUGES: tuple[MetricSpec, ...] = (

@@ -7,13 +7,15 @@ facts from the same engine, whichever shape vLLM hands each role its KV cache co
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool.core.checkpoint import checkpoint_digest
 from kvpool.core.config import KVPoolConfig
-from kvpool.core.fingerprints import GroupFacts, ModelFacts, WeightsFacts
+from kvpool.core.fingerprints import GroupFacts, ModelFacts, WeightsFacts, weights_named
 from kvpool.core.fingerprints import weights_digest as digest_of
 from kvpool.core.plan import EngineFacts, ModelPlan, Parallelism, build_plan
 from kvpool.core.specs import SpecFacts, attention_kind, group_layer
@@ -67,23 +69,43 @@ def group_facts(spec: KVCacheSpec, model_dtype: object) -> GroupFacts:
     )
 
 
-def weights_digest(vllm_config: VllmConfig) -> str:
+log = logging.getLogger("kvpool.vllm")
+
+
+def weights_facts(vllm_config: VllmConfig, version: str = "") -> WeightsFacts:
+    """`version`: the `weights_version` setting. The checkpoint is read where the engine reads it: the
+    model's directory, or the hub snapshot at its revision (dummy weights have none: the seed names them)."""
     model = vllm_config.model_config
-    return digest_of(
-        WeightsFacts(
-            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
-            revision=model.revision,
-            code_revision=model.code_revision,
-            quantization=model.quantization,
-            dtype=str(model.dtype),
-            load_format=str(vllm_config.load_config.load_format),
-            seed=model.seed,
-            hf_config=model.hf_config.to_dict(),
-        )
+    load_format = str(vllm_config.load_config.load_format)
+    checkpoint = None if "dummy" in load_format else checkpoint_digest(model.model, model.revision)
+    return WeightsFacts(
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        revision=model.revision,
+        code_revision=model.code_revision,
+        quantization=model.quantization,
+        dtype=str(model.dtype),
+        load_format=load_format,
+        seed=model.seed,
+        hf_config=model.hf_config.to_dict(),
+        checkpoint=checkpoint,
+        version=version,
     )
 
 
-def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineFacts:
+def weights_digest(vllm_config: VllmConfig, version: str = "") -> str:
+    facts = weights_facts(vllm_config, version)
+    if not weights_named(facts):
+        log.warning(
+            "kvpool cannot read the weights of %r (load_format=%s): its keys name the path and config only, "
+            "so new weights at this path would be served KV of the old ones; set weights_version in "
+            "kv_connector_extra_config and change it with the weights",
+            vllm_config.model_config.model,
+            facts.load_format,
+        )
+    return digest_of(facts)
+
+
+def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, weights_version: str = "") -> EngineFacts:
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     specs = [group_spec(group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups]
@@ -98,7 +120,7 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
         torch_version=torch.__version__,
         hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
         hash_seed=os.environ.get("PYTHONHASHSEED"),  # vLLM seeds its block hashes from it
-        weights=weights_digest(vllm_config),
+        weights=weights_digest(vllm_config, weights_version),
     )
     return EngineFacts(
         model,
@@ -108,6 +130,9 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Eng
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,
             kv_tp_replicas=int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1),
+            # the DP rank, in the engine core and its workers alike: vLLM resets data_parallel_rank to 0
+            # for a dense model's DP engines (reconfigure_for_independent_dp_rank), never this one
+            dp_rank=int(getattr(parallel, "data_parallel_index", getattr(parallel, "data_parallel_rank", 0)) or 0),
         ),
         hash_block_size=kv_cache_config.hash_block_size,
         retention_interval=kv_cache_config.prefix_cache_retention_interval,
@@ -124,4 +149,4 @@ def drops_eagle_block(vllm_config: VllmConfig) -> bool:
 
 
 def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVPoolConfig) -> ModelPlan:
-    return build_plan(engine_facts(vllm_config, kv_cache_config), config)
+    return build_plan(engine_facts(vllm_config, kv_cache_config, config.weights_version), config)

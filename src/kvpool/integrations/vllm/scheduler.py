@@ -9,8 +9,9 @@ only a request that starts a load has its whole table read from the KV cache man
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.connector import registry
 from kvpool.connector.roles import scheduler_role
@@ -21,6 +22,7 @@ from kvpool.core.pool_reports import PoolEvent
 from kvpool.integrations.vllm.metadata import KVPoolWorkerMetadata
 from kvpool.integrations.vllm.metrics import SchedulerStatsSampler
 from kvpool.scheduler.chunk_origins import ChunkOrigins
+from kvpool.scheduler.hit_tiers import disk_tokens
 from kvpool.scheduler.steps import SchedulerSteps
 from kvpool.worker.pool_tracker import PoolTracker
 
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
 LOCAL = "LOCAL"  # vLLM's `locality`: the bytes are on this engine's host
 REMOTE = "REMOTE"
 DISK_MEDIUM = "DISK"  # an embedded pool's chunk that some rank holds on its disk tier only
+
+log = logging.getLogger("kvpool.scheduler")
 
 
 class SchedulerSide:
@@ -67,11 +71,30 @@ class SchedulerSide:
         # engine's own segment only when it gives the pool memory (a setting, never asked per chunk)
         self._medium, self._locality = ("CPU", LOCAL) if config.backend == "memory" else ("STORAGE", _locality(config))
         self._group_kinds: list[tuple[str | None, int | None]] = [(None, None)] * len(self._block_sizes)
+        self._pool_source, self._disk_source = _hit_sources(config)
         self.metrics = SchedulerStatsSampler(self.core.stats)
         registry.register_scheduler(engine_id, self)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.steps.matched(request.request_id, request.block_hashes, request.num_tokens, num_computed_tokens)
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's split of a request's pool hit by the tier that supplies it (asked once per admitted hit,
+        after `after_alloc` armed its load): the embedded pool's DRAM or a shared pool, and the tokens
+        whose chunks some rank reads from its disk tier (`kvpool.scheduler.hit_tiers`)."""
+        if num_external_tokens <= 0:
+            return {}
+        disk = 0
+        load = self.core.armed_load(request.request_id)
+        if self.index is not None and load is not None:
+            hashes, start, end = request.block_hashes, load.start_tokens, load.hit_tokens
+            disk = min(num_external_tokens, disk_tokens(self.core.coordinator, self.index, hashes, start, end))
+        sources: dict[Any, int] = {}
+        if num_external_tokens > disk:
+            sources[self._pool_source] = num_external_tokens - disk
+        if disk:
+            sources[self._disk_source] = disk
+        return sources
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -167,9 +190,26 @@ class SchedulerSide:
         return self.steps.finished(request.request_id)
 
     def reset(self) -> bool:
+        """`reset_prefix_cache(reset_connector=True)`, which calls this right after the KV cache manager's
+        own reset, on the same thread. That reset succeeds only when no block is held (vLLM's
+        `BlockPool.reset_prefix_cache`: every block free but the null one); a refused one leaves them
+        held. kvpool follows vLLM's decision: while requests hold blocks it keeps its pools and returns
+        False (the caller retries once they finished), so a pool is never emptied under requests that
+        still read or save it."""
+        if not _engine_cache_reset(self.kv_cache_manager):
+            log.warning("reset_prefix_cache(reset_connector=True) refused by vLLM (blocks held): the pool is kept")
+            return False
         if self.origins is not None:
             self.origins.clear()
         return self.role.reset()
+
+    def weights_changed(self, tag: str) -> None:
+        """vLLM is about to change the engine's weights in place (`weights.watch_engine_core`): `tag` names
+        the new ones in every key from the next step on."""
+        log.info("kvpool: the engine's weights change in place; keys now name weights %r", tag)
+        if self.origins is not None:
+            self.origins.clear()
+        self.role.change_weights(tag)
 
     def describe_groups(self, kv_cache_config: KVCacheConfig) -> None:
         """Each group's spec kind and window, as vLLM's own events and its OffloadingConnector's name them:
@@ -234,12 +274,36 @@ def _extra_keys(request: Request) -> Callable[[int, int], tuple[object, ...] | N
     return lambda start, end: generate_block_hash_extra_keys(request, start, end, 0)[0]
 
 
+def _engine_cache_reset(manager: KVCacheManager | None) -> bool:
+    """Did the KV cache manager's reset just succeed? It does iff each of its block pools holds no block
+    but the null one, and nothing runs between that reset and the connector's. No manager bound (a
+    vLLM that does not bind it): True, the pool is reset as asked."""
+    if manager is None:
+        return True
+    pools = {id(m.block_pool): m.block_pool for m in manager.coordinator.single_type_managers}
+    return all(pool.num_gpu_blocks - pool.get_num_free_blocks() <= 1 for pool in pools.values())
+
+
 def _lora_name(extra_keys: tuple[object, ...] | None) -> str | None:
     """vLLM's events name the LoRA beside the keys; in the keys it is the ("lora", name) entry."""
     for key in extra_keys or ():
         if isinstance(key, tuple) and len(key) == 2 and key[0] == "lora" and isinstance(key[1], str):
             return key[1]
     return None
+
+
+def _hit_sources(config: KVPoolConfig) -> tuple[Any, Any]:
+    """vLLM's names (`CacheHitSource`) for a hit from the pool and from the disk tier. The embedded pool
+    is this engine's host DRAM ("host"). A shared Mooncake pool is a remote store: its objects sit in
+    some client's segment (this engine's, another's, a segment holder's), which a lookup never learns,
+    and vLLM's enum names a remote store "external_unspecified" (so does vLLM's own Mooncake store
+    connector); "p2p" is KV sent by another vLLM instance, which a pool is not."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:  # a vLLM without per-source hit metrics: nothing asks
+        return ("host" if config.backend == "memory" else "external_unspecified"), "disk"
+    pool = CacheHitSource.HOST if config.backend == "memory" else CacheHitSource.EXTERNAL_UNSPECIFIED
+    return pool, CacheHitSource.DISK
 
 
 def _locality(config: KVPoolConfig) -> str:
