@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +28,6 @@ def key(i: int) -> str:
 
 def value(i: int, size: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
-
-
-@pytest.fixture
-def pools() -> Iterator[list[TieredPool]]:
-    made: list[TieredPool] = []
-    yield made
-    for pool in made:
-        pool.shutdown(5.0)
 
 
 def _written(directory: Path, count: int, size: int, pools: list[TieredPool], direct: bool = False) -> TieredPool:

@@ -14,7 +14,6 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,14 +54,6 @@ def read(pool: TieredPool | DiskTier, i: int, size: int = CHUNK) -> tuple[Status
 def tiered(directory: Path, dram_chunks: int, disk_chunks: int = 64, **kwargs: float) -> TieredPool:
     disk = DiskTier(str(directory), disk_chunks * (CHUNK + HEADER_BYTES + len(key(0))))
     return TieredPool(MemoryBackend(dram_chunks * CHUNK), disk, **kwargs)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def pools() -> Iterator[list[TieredPool]]:
-    made: list[TieredPool] = []
-    yield made
-    for pool in made:
-        pool.shutdown(5.0)
 
 
 def files(directory: Path, suffix: str = SUFFIX) -> list[Path]:
