@@ -41,6 +41,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -516,8 +517,7 @@ class EngineOracle(RuleBasedStateMachine):
         self.loaded_blocks.clear()
         return True
 
-    # not yet a rule: with it, hypothesis finds two failing interleavings (FullAttention, Hybrid) still to
-    # be read; the closing note of 2026-12-07 says where this stands
+    @rule()
     def update_weights(self) -> None:
         """An in-place weight update (vLLM `reload_weights`, the RL weight transfer) with the engine's own
         `reset_prefix_cache(reset_running_requests=True)` an RL loop makes around it, without resetting the
@@ -1020,17 +1020,10 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FullAtte
     monkeypatch.setattr(sys.modules[__name__], "event", lambda *args, **kwargs: None)
     machines: list[FullAttentionOracle] = []
 
-    def build(num_ranks: int = 1, local_cache: bool = True) -> FullAttentionOracle:
+    def build(num_ranks: int = 1, local_cache: bool = True, **drawn: Any) -> FullAttentionOracle:
         machine = FullAttentionOracle()
-        machine.setup(
-            sync_saves=True,
-            sync_loads=True,
-            runner="v1",
-            reset_reaches_worker=False,
-            batching="sync",
-            num_ranks=num_ranks,
-            local_cache=local_cache,
-        )
+        setup: dict[str, Any] = dict(sync_saves=True, sync_loads=True, runner="v1", reset_reaches_worker=False)
+        machine.setup(**{**setup, "batching": "sync", **drawn}, num_ranks=num_ranks, local_cache=local_cache)
         machines.append(machine)
         return machine
 
@@ -1100,4 +1093,17 @@ def test_a_reset_that_preempts_and_readmits_in_one_pass_keeps_the_readmitted_loa
     machine.reset(reset_connector=False)  # preempted; re-admitted with a pool load in the next pass
     for _ in range(8):
         machine.engine_step(96)
+    machine.teardown()
+
+
+def test_a_pool_reset_and_a_weights_change_in_one_step_still_empty_a_shared_pool(scripted) -> None:
+    """Found by the oracle: a connector reset then an in-place update before the workers' next step. The
+    worker saw one epoch change with a new weights tag, kept the shared pool (a weights change does), and
+    a put running since before the reset landed under a name that by then meant the reset's weights."""
+    machine = scripted(sync_saves=False, sync_loads=False, shared_pool=True)
+    machine.update_weights()
+    submit(machine, [0] * 18, 16)
+    machine.engine_step(16)
+    machine.reset(reset_connector=True)
+    machine.update_weights()
     machine.teardown()

@@ -37,6 +37,9 @@ class StepMetadata:
     # names the weights loaded since the engine started ("": the ones it started with); it changes with a
     # reset epoch, and a worker that sees it change renames its key spaces before that step's loads
     weights_tag: str = ""
+    # the last reset that empties the pool: a weights change merged into the same step (one epoch check)
+    # must not skip a reset's clear, or a put running since before it lands under a name it no longer has
+    clear_epoch: int = 0
     # loads the engine waits for that the scheduler could not arm (no block table): every worker
     # reports them finished and failed, so the engine recomputes instead of waiting forever
     failed_loads: list[str] = field(default_factory=list)

@@ -123,6 +123,7 @@ class SchedulerCore:
         self._trackers: dict[str, _Tracker] = {}
         self._load_failed: set[str] = set()  # never offer these requests a pool hit again
         self.reset_epoch = 0  # pool resets so far
+        self.clear_epoch = 0  # the last of them that emptied the pool (a weights change may not)
         self.weights_tag = ""  # the weights loaded since start-up ("": the ones it started with)
         self._lcm = coordinator.lcm
         self._executor: ThreadPoolExecutor | None = None
@@ -426,11 +427,14 @@ class SchedulerCore:
         self._lookups.pop(req_id, None)
         self._trackers.pop(req_id, None)
 
-    def reset(self) -> None:
+    def reset(self, *, empties: bool = True) -> None:
         """The pool was emptied: no cached answer may be reused, and the workers must drop every save
-        taken before (the next step's `reset_epoch` tells them)."""
+        taken before (the next step's `reset_epoch` tells them) and empty their pools (`clear_epoch`;
+        `empties=False`: a weights change, whose clearing each worker decides)."""
         self._lookups.clear()
         self.reset_epoch += 1
+        if empties:
+            self.clear_epoch = self.reset_epoch
         if self.index is not None:
             self.index.reset(self.reset_epoch)
 
@@ -444,7 +448,7 @@ class SchedulerCore:
         for spaces in self.namespaces:
             for space in spaces:
                 space.retag(tag)
-        self.reset()  # the index forgets (and announces) what it held under the old names first
+        self.reset(empties=False)  # the index forgets (and announces) what it held under the old names first
         if self.index is not None:
             self.index.rename(self.namespaces)
 

@@ -86,7 +86,7 @@ class SchedulerSteps:
         scheduled requests follow through `add`. `table(req_id)` resolves a request's current blocks."""
         core = self.core
         self._steps += 1
-        step = StepMetadata(reset_epoch=core.reset_epoch, weights_tag=core.weights_tag)
+        step = StepMetadata(reset_epoch=core.reset_epoch, weights_tag=core.weights_tag, clear_epoch=core.clear_epoch)
         for req_id in preempted:
             step.preempted.append(req_id)
             if req_id in self._retired:

@@ -80,6 +80,7 @@ class WorkerCore:
         # an embedded pool's contents for the scheduler's index, or a shared pool's puts for its KV events
         self.tracker = tracker
         self.weights_tag = ""  # the name of the weights loaded since start-up ("": the ones it started with)
+        self.cleared_epoch = 0  # the last reset epoch at which this rank emptied its pool
         self.stats = WorkerStats()
         self._lock = threading.Lock()
         self._planner = SavePlanner(coordinator, self.placements, self.stats)
@@ -136,10 +137,12 @@ class WorkerCore:
         the loads the scheduler could not arm as failed."""
         if step.preempted:
             self.preempt(step.preempted)
+        # a weights change and a reset may arrive in one step: the reset's clear is kept either way
+        clear = step.clear_epoch > self.cleared_epoch or not self.config.shared_pool
         if step.weights_tag != self.weights_tag:
-            self.change_weights(step.weights_tag, step.reset_epoch)
+            self.change_weights(step.weights_tag, step.reset_epoch, clear=clear)
         elif step.reset_epoch > self.saves.epoch:
-            self.reset(step.reset_epoch)  # not reached directly by the scheduler
+            self.reset(step.reset_epoch, clear=clear)  # not reached directly by the scheduler
         for req_id in step.failed_loads:
             self.loads.fail(req_id)
 
@@ -188,6 +191,8 @@ class WorkerCore:
         fenced = self.loads.loader.fence()  # before the clear: what they read is from before the reset
         if fenced:
             log.info("reset: %d loads still reading were reported failed (recomputed)", fenced)
+        if clear:
+            self.cleared_epoch = max(self.cleared_epoch, epoch)
         try:
             return self.backend.clear() if clear else 0
         except Exception:
@@ -197,18 +202,18 @@ class WorkerCore:
             if self.tracker is not None:
                 self.tracker.reset(epoch)
 
-    def change_weights(self, tag: str, epoch: int) -> None:
+    def change_weights(self, tag: str, epoch: int, *, clear: bool | None = None) -> None:
         """The engine's weights changed in place: every key this rank builds from now on names `tag`, and
         the change is a reset for what was taken before it (queued saves dropped, loads still reading
         reported failed, live requests never saved again). An embedded pool is emptied as by a reset; a
         shared one keeps the old weights' chunks for the engines that still run them (no key of this
-        engine names them again)."""
+        engine names them again); `clear=True` empties it anyway (a reset of the pool came in the same step)."""
         for placement in self.placements:
             placement.keys.retag(tag)
         if self.tracker is not None:
             self.tracker.rename([placement.keys for placement in self.placements])
         self.weights_tag = tag
-        self.reset(max(epoch, self.saves.epoch), clear=not self.config.shared_pool)
+        self.reset(max(epoch, self.saves.epoch), clear=not self.config.shared_pool if clear is None else clear)
 
     @property
     def under_pressure(self) -> bool:
