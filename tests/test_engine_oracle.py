@@ -55,9 +55,12 @@ from kvpool.core.keys import KeySpace, LayoutFingerprint
 from kvpool.core.masks import AttentionKind, ChunkedLocal, FullAttention, MaskCoordinator, SlidingWindow
 from kvpool.core.metadata import StepMetadata
 from kvpool.core.plan import GroupPlacement
+from kvpool.core.pool_reports import PoolReport
+from kvpool.scheduler.index import PoolIndex
 from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
 from kvpool.scheduler.steps import SchedulerSteps
 from kvpool.worker.layout import KVLayout
+from kvpool.worker.pool_tracker import PoolTracker
 from kvpool.worker.worker_core import WorkerConfig, WorkerCore
 
 B = 16  # every group's block size and the hash block size
@@ -66,6 +69,9 @@ ROW = 8  # bytes of one block in one layer
 NUM_BLOCKS = 40  # block 0 is the null block
 VOCAB = 4  # few distinct tokens: prompts share prefixes, so chunks are reused across requests
 TEARDOWN_STEPS = 24  # engine steps at teardown for every pending load to be reported
+# the hit contract's second phase: a rank frees what it withdrew only once the scheduler acknowledged the
+# report; a mutation that frees at eviction (False) must make the oracle fail
+HOLD_EVICTIONS = True
 
 
 def digest(*parts: object) -> bytes:
@@ -129,6 +135,7 @@ class Step:
     finished_loads: set[str] = field(default_factory=set)  # aggregated over the ranks
     invalid_blocks: set[int] = field(default_factory=set)
     failed_requests: set[str] = field(default_factory=set)
+    reports: list[PoolReport] = field(default_factory=list)  # the ranks' pool reports (build_connector_worker_meta)
 
 
 SENDER, LOADER = "kvpool-sender", "kvpool-load"  # the worker's thread names, by prefix
@@ -206,6 +213,8 @@ class EngineOracle(RuleBasedStateMachine):
         num_ranks=st.sampled_from([1, 2]),
         local_cache=st.sampled_from([True, True, False]),
         shared_pool=st.booleans(),
+        in_step=st.sampled_from([False, True, True]),
+        in_step_chunks=st.sampled_from([1, 3, 64]),
     )
     def setup(
         self,
@@ -217,6 +226,8 @@ class EngineOracle(RuleBasedStateMachine):
         num_ranks: int,
         local_cache: bool,
         shared_pool: bool = False,
+        in_step: bool = False,
+        in_step_chunks: int = 64,
     ) -> None:
         self.runner = runner
         self.reset_reaches_worker = reset_reaches_worker  # the worker told at once, or at its next step
@@ -232,6 +243,14 @@ class EngineOracle(RuleBasedStateMachine):
             KeySpace(LayoutFingerprint("oracle", "u8", kind.block_size, "numpy", group_id=g))
             for g, kind in enumerate(self.kinds)
         ]
+        # the hit contract: lookups read the scheduler's index, made of the ranks' pool reports (as with the
+        # embedded pool), and contract hits load in-step within a budget of `in_step_chunks` chunks a step
+        self.in_step = in_step and not shared_pool  # an embedded pool (a shared one is Mooncake: async)
+        self.index = (
+            PoolIndex([[space] for space in self.spaces], ranks_per_namespace=num_ranks) if self.in_step else None
+        )
+        if self.in_step:
+            event(f"in-step loads, {in_step_chunks} chunks a step")
         self.ranks: list[Rank] = []
         for index in range(num_ranks):
             tensors = {
@@ -241,6 +260,12 @@ class EngineOracle(RuleBasedStateMachine):
             }
             layout = KVLayout(tensors, {name: int(name[1 : name.index(".")]) for name in tensors}, NUM_BLOCKS)
             pool = FlakyPool(LAYERS * ROW * 48)  # smaller than the engine: the pool evicts
+            tracker = None
+            if self.in_step:
+                tracker = PoolTracker(index, [KeySpace(space.fingerprint) for space in self.spaces], pool.keys())
+                pool.add_listener(tracker.dropped)
+                if HOLD_EVICTIONS:
+                    tracker.hold(pool, pool.hold_evictions())
             worker = WorkerCore(
                 pool,
                 self.coord,
@@ -251,12 +276,17 @@ class EngineOracle(RuleBasedStateMachine):
                 # it): taken whenever its thread happened to wake, the batches it merges into one put, and
                 # so the pool's LRU order, would depend on timing, and hypothesis could not replay a case
                 WorkerConfig(
-                    put_batch_chunks=4, sync_saves=sync_saves, sync_loads=sync_loads,
+                    # an in-step load reads in the engine's call: the embedded pool without a disk tier
+                    put_batch_chunks=4, sync_saves=sync_saves, sync_loads=sync_loads or self.in_step,
                     save_linger_steps=1 << 30, save_linger_s=1e9,
                     # a shared pool keeps the old weights' chunks at an in-place update: only their names differ
                     shared_pool=shared_pool,
                 ),
+                tracker=tracker,
             )
+            if tracker is not None:
+                # the tracker's key spaces are the worker's own (a rename reaches both)
+                tracker.rename([placement.keys for placement in worker.placements])
             worker.saves.sender.enough_chunks = worker.saves.sender.enough_bytes = 1 << 62
             if worker.loads.loader._calls is not None:
                 # one call thread: loads let through together then read in the order they started, so
@@ -264,13 +294,25 @@ class EngineOracle(RuleBasedStateMachine):
                 worker.loads.loader._calls.shutdown()
                 worker.loads.loader._calls = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load-call")
             self.ranks.append(Rank(index, pool, tensors, worker))
+        chunk_bytes = LAYERS * ROW
         self.scheduler = SchedulerCore(
             self.coord,
             [[space] for space in self.spaces],
             self.exists,
             # a lookup's answer is reused for the request until it changes (never by the clock: replayable)
-            SchedulerConfig(save_decode=True, lookup_cache_s=1e9),
+            SchedulerConfig(
+                save_decode=True,
+                lookup_cache_s=1e9,
+                in_step_bytes=in_step_chunks * chunk_bytes if self.in_step else 0,
+                in_step_bytes_per_token=chunk_bytes / B,
+            ),
+            index=self.index,
         )
+        if self.index is not None:
+            for rank in self.ranks:  # what the pools hold at start-up (the scheduler reads its own worker's)
+                report = rank.worker.tracker.take_report()  # type: ignore[union-attr]
+                if report is not None:
+                    self.index.apply(report)
         self.policy = self.make_steps(self.scheduler)
         self.version = 0  # the weights: a reset with reset_connector may change them
         # pool key -> (group, chunk hash, the weights its name was built under)
@@ -751,7 +793,8 @@ class EngineOracle(RuleBasedStateMachine):
                     for rank in evict_on:
                         rank.pool.remove([key])
         for rank in fail_on:
-            rank.pool.fail_gets = fail_gets
+            # an in-process pool's read cannot fail (no I/O): with the hit contract no get is scripted to
+            rank.pool.fail_gets = 0 if self.in_step else fail_gets
         for rank in self.ranks:
             if self.runner == "v2":  # Model Runner V2 zeroes new blocks before the connector's pre-forward hook
                 self._zero(rank, step.new_blocks)
@@ -774,6 +817,13 @@ class EngineOracle(RuleBasedStateMachine):
             rank.pool.fail_gets = 0
             done = rank.worker.take_finished_loads()
             failures = rank.worker.take_load_failures()
+            if self.in_step:
+                assert rank.worker.stats.in_step_load_failures == 0, (
+                    f"rank {rank.index}: an in-step load missed a chunk the scheduler offered (the hit contract broke)"
+                )
+                report = rank.worker.tracker.take_report()  # type: ignore[union-attr]
+                if report is not None:
+                    step.reports.append(report)
             assert failures.failed_requests <= done
             if failures.invalid_blocks:
                 assert len(self.kinds) == 1, "vLLM refuses block-level load failures for several groups"
@@ -844,6 +894,9 @@ class EngineOracle(RuleBasedStateMachine):
     # ---- the step's output (Scheduler.update_from_output) -----------------------------------------
 
     def absorb(self, step: Step) -> None:
+        for report in step.reports:  # SchedulerSide.absorb: the index first, then the loads
+            assert self.index is not None
+            self.index.apply(report)
         if (step.invalid_blocks or step.failed_requests) and self.queue:
             event("route 1: a load failure absorbed after the next step was scheduled")
         for rid in step.failed_requests:  # _handle_failed_recving, recompute policy
@@ -1106,4 +1159,48 @@ def test_a_pool_reset_and_a_weights_change_in_one_step_still_empty_a_shared_pool
     machine.engine_step(16)
     machine.reset(reset_connector=True)
     machine.update_weights()
+    machine.teardown()
+
+
+# ---- the hit contract (issue 43): an in-step load cannot miss; the mutation that frees at eviction does ----
+
+
+def _evicted_before_its_in_step_load(machine: EngineOracle) -> Req:
+    store_system_prompt(machine)
+    machine.reset(reset_connector=False)  # the engine's cache forgets the prompt; the pool keeps it
+    req = submit(machine, [*SYSTEM_PROMPT, *[2] * 30], 84)
+    # the pool drops the hit's last chunk between the lookup and the load: withdrawn, not yet acknowledged
+    machine.engine_step(200, evict_on=machine.ranks)
+    return req
+
+
+@pytest.mark.parametrize("batching", ["sync", "async", "pp2"])
+def test_an_in_step_hit_loads_whole_though_its_chunk_was_evicted_after_the_lookup(scripted, batching) -> None:
+    machine = scripted(num_ranks=2, local_cache=False, batching=batching, in_step=True, in_step_chunks=64)
+    _evicted_before_its_in_step_load(machine)
+    assert all(rank.worker.stats.loads_in_step == 1 for rank in machine.ranks)
+    assert all(rank.pool.retired_bytes > 0 for rank in machine.ranks)  # held until acknowledged
+    for _ in range(8):
+        machine.engine_step(96)
+    # acknowledged a step or two later: freed
+    assert all(rank.pool.retired_bytes == 0 for rank in machine.ranks)
+    machine.teardown()
+
+
+def test_freeing_at_eviction_instead_of_at_acknowledgement_breaks_the_contract(scripted, monkeypatch) -> None:
+    """The mutation the issue asks for: without the second phase the same interleaving misses."""
+    monkeypatch.setattr(sys.modules[__name__], "HOLD_EVICTIONS", False)
+    machine = scripted(num_ranks=2, local_cache=False, batching="async", in_step=True, in_step_chunks=64)
+    with pytest.raises(AssertionError, match="the hit contract broke"):
+        _evicted_before_its_in_step_load(machine)
+
+
+def test_a_hit_over_the_step_budget_waits_a_step(scripted) -> None:
+    machine = scripted(local_cache=False, in_step=True, in_step_chunks=3)  # the prompt's hit is 4 chunks
+    store_system_prompt(machine)
+    submit(machine, [*SYSTEM_PROMPT, *[2] * 30], 84)
+    for _ in range(8):
+        machine.engine_step(96)
+    assert machine.ranks[0].worker.stats.loads_in_step == 0
+    assert machine.loads_started and machine.loads_reported == machine.loads_started
     machine.teardown()

@@ -106,6 +106,9 @@ class Status(enum.IntEnum):
     UNAVAILABLE = 4  # the backend is down or unhealthy; counts as a miss
     ERROR = 5  # any other failure
     CORRUPT = 6  # the bytes arrived but fail their seal (see integrity.py)
+    # the pool's admission chose not to store it (core/policy.py): not a failure, never retried, no pressure;
+    # not stored, so never reported stored
+    DECLINED = 7
 
 
 @dataclass
@@ -131,6 +134,7 @@ class BackendStats:
     disk_writes_skipped: int = 0  # the write-behind queue was full
     disk_corrupt: int = 0  # files that failed their checks (removed)
     disk_late_reads: int = 0
+    retired_bytes: int = 0  # the embedded pool: chunks withdrawn, kept readable until acknowledged (memory.py)
 
 
 @runtime_checkable

@@ -1,4 +1,15 @@
-"""The embedded pool: bytes in this process, byte capacity, LRU eviction, thread-safe."""
+"""The embedded pool: bytes in this process, byte capacity, LRU eviction, thread-safe.
+
+The hit contract (a chunk the scheduler offers is still readable when its load runs): a holder
+(`hold_evictions`, the rank's pool tracker) makes every chunk that leaves the pool by eviction or
+removal *retire* instead of being freed. A retired chunk is gone for `exists`, `keys` and the
+listeners, but `get_into` still reads it. Live and retired chunks together never exceed
+`capacity_bytes`: with a holder, live chunks stay below capacity minus `retire_limit_bytes` (an
+eighth), the reserve retired chunks live in, and a put that would retire beyond it is refused
+(FULL). Every holder frees a chunk with `release` once the scheduler acknowledged the report that
+withdrew it; `clear` frees everything (a reset fences loads). A put of a retired key revives it
+without a copy (same key, same bytes).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +22,12 @@ import numpy as np
 from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.core.buffers import as_u8
 from kvpool.core.errors import ConfigError
+from kvpool.core.policy import PoolPolicy, make_policy
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
+# under the hit contract, this fraction of capacity is kept for chunks awaiting acknowledgement: what a few
+# engine steps' puts evict while their reports travel to the scheduler and its acknowledgement back
+RETIRE_LIMIT_FRACTION = 8
 
 
 class MemoryBackend:
@@ -25,10 +40,13 @@ class MemoryBackend:
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
+    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, policy: PoolPolicy | None = None) -> None:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ConfigError("capacity_bytes", capacity_bytes, "a positive integer number of bytes")
         self.capacity_bytes = capacity_bytes
+        # admission and eviction (core/policy.py), called under the lock; None: every chunk stored, the
+        # least recently used evicted
+        self.policy = policy
         self._lock = threading.Lock()
         self._items: OrderedDict[str, np.ndarray] = OrderedDict()
         self._pending: dict[str, int] = {}  # key → bytes reserved by a put still copying
@@ -42,6 +60,13 @@ class MemoryBackend:
         # pin arrays there (read them later, outside the lock) before any eviction could reuse them
         self.on_stored: Callable[[list[tuple[str, np.ndarray]]], None] | None = None
         self._pinned: set[int] = set()  # ids of stored arrays a reader outside the lock still holds
+        # the hit contract: chunks out of the pool, readable until every holder released them
+        self._retired: dict[str, tuple[np.ndarray, set[int]]] = {}
+        self._holders: set[int] = set()
+        self._next_holder = 0
+        self.retired_bytes = 0
+        # the bound on retired bytes, inside `capacity_bytes`: a put that would retire more is refused
+        self.retire_limit_bytes = max(1, capacity_bytes // RETIRE_LIMIT_FRACTION)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -108,13 +133,16 @@ class MemoryBackend:
             pieces, sizes = pieces_of(index), sizes_of(index)
             with self._lock:
                 stored = self._items.get(key)
-                if stored is None:
+                if stored is not None:
+                    self._items.move_to_end(key)
+                elif key in self._retired:
+                    stored = self._retired[key][0]  # withdrawn, not yet released: a load armed before still reads it
+                else:
                     stats.misses += 1
                     continue
                 if sum(sizes) != stored.size:
                     results[index] = Status.SIZE_MISMATCH
                     continue
-                self._items.move_to_end(key)
                 offset = 0
                 for piece, size in zip(pieces, sizes):
                     piece[:] = stored[offset : offset + size]
@@ -123,6 +151,8 @@ class MemoryBackend:
                 stats.gets += 1
                 stats.get_bytes += stored.size
             results[index] = Status.OK
+        if self.policy is not None:
+            self._note_reads(keys, results)
         return results
 
     def remove(self, keys: Sequence[str]) -> int:
@@ -131,7 +161,7 @@ class MemoryBackend:
             for key in keys:
                 stored = self._items.pop(key, None)
                 if stored is not None:
-                    self._release(stored)
+                    self._retire(key, stored)
                     self._gone.append(key)
                     removed += 1
         self._announce()
@@ -152,6 +182,8 @@ class MemoryBackend:
             count = len(self._items)
             self._gone.extend(self._items)
             self._items.clear()
+            self._retired.clear()
+            self.retired_bytes = 0
             self._free.clear()
             self._free_bytes = 0
             self._used = sum(self._pending.values())  # puts still copying keep their reservation
@@ -182,7 +214,8 @@ class MemoryBackend:
 
     def stats(self) -> BackendStats:
         with self._lock:
-            self._stats.used_bytes = self._used
+            self._stats.used_bytes = self._used + self.retired_bytes  # held for acknowledgement: still memory
+            self._stats.retired_bytes = self.retired_bytes
             self._stats.keys = len(self._items)
             return BackendStats(**vars(self._stats))
 
@@ -192,6 +225,42 @@ class MemoryBackend:
     def close(self) -> None:
         """The embedded pool lives as long as the process; close keeps its contents."""
 
+    def link(self, keys: Sequence[str], parents: Sequence[bytes | None]) -> None:
+        """Tell the policy each chunk's parent hash (b"": a chain's first chunk; None: not known) before a put."""
+        if self.policy is not None:
+            with self._lock:
+                self.policy.link(keys, parents)
+
+    def put_linked(self, keys: Sequence[str], values: Values, parents: Sequence[bytes | None]) -> list[Status]:
+        """`put`, the policy told each chunk's parent (its chains: eviction keeps them whole)."""
+        self.link(keys, parents)
+        return self.put(keys, values)
+
+    def _note_reads(self, keys: Sequence[str], results: list[Status]) -> None:
+        """The policy hears of a load's hits, head to tail."""
+        with self._lock:
+            items = self._items
+            read = [key for key, status in zip(keys, results) if status is Status.OK and key in items]
+            if read and self.policy is not None:
+                self.policy.read(read, [int(items[key].size) for key in read])
+
+    def _admit(self, keys: Sequence[str], sizes: list[int], admit_all: bool) -> list[bool] | None:
+        """Under the lock: which keys of a put the policy stores (None: every one); a key the pool holds
+        or is writing is always True."""
+        if self.policy is None:
+            return None
+        items, pending = self._items, self._pending
+        present = [key in items or key in pending for key in keys]
+        return self.policy.put(keys, sizes, present, self.capacity_bytes - self._used, items.__contains__, admit_all)
+
+    def _victim(self) -> str:
+        """Under the lock, the pool not empty: the key eviction takes next."""
+        if self.policy is not None:
+            key = self.policy.victim(self._items.__contains__)
+            if key is not None and key in self._items:
+                return key
+        return next(iter(self._items))
+
     def _reserve_slots(
         self, keys: Sequence[str], sizes: list[int], take_free: bool = True
     ) -> list[np.ndarray | Status | None]:
@@ -199,7 +268,11 @@ class MemoryBackend:
         taken), or the key's status when there is nothing to store."""
         stats = self._stats
         with self._lock:
-            targets = [self._reserve_one(key, size, stats, take_free) for key, size in zip(keys, sizes)]
+            admit = self._admit(keys, sizes, admit_all=not take_free)  # `adopt`: a disk hit promoted, stored
+            targets = [
+                self._reserve_one(key, size, stats, take_free) if admit is None or admit[index] else Status.DECLINED
+                for index, (key, size) in enumerate(zip(keys, sizes))
+            ]
             items = self._items
             for key in reversed(keys):  # tail first, like every touch: the batch's head ends most recently used
                 if key in items:
@@ -228,27 +301,92 @@ class MemoryBackend:
             return Status.OK
         if key in self._pending:
             return Status.OK  # another put is writing the same content-addressed bytes
-        if size == 0 or size > self.capacity_bytes:
+        retired = self._retired.get(key)
+        if retired is not None and retired[0].size == size:
+            # withdrawn, not released: the same content-addressed bytes come back without a copy (one of
+            # another size was removed as unusable: a fresh copy is stored beside it)
+            array, _ = self._retired.pop(key)
+            self.retired_bytes -= array.size
+            self._used += array.size
+            self._items[key] = array
+            return Status.OK
+        # under the hit contract a reserve of capacity holds the retired chunks: live + retired <= capacity
+        live_limit = self.capacity_bytes - (self.retire_limit_bytes if self._holders else 0)
+        if size == 0 or size > live_limit:
             stats.put_failures += 1
             return Status.FULL if size else Status.ERROR
-        while self._used + size > self.capacity_bytes and self._items:
-            key_out, evicted = self._items.popitem(last=False)
-            self._release(evicted)
+        while self._used + size > live_limit and self._items:
+            key_out = self._victim()
+            oldest = self._items[key_out]
+            if self._holders and self.retired_bytes + oldest.size > self.retire_limit_bytes:
+                break  # the reserve is full of chunks awaiting acknowledgement: refuse rather than exceed it
+            evicted = self._items.pop(key_out)
+            self._retire(key_out, evicted)
             self._gone.append(key_out)
             stats.evictions += 1
-        if self._used + size > self.capacity_bytes:
+        if self._used + size > live_limit:
             stats.put_failures += 1
-            return Status.FULL  # the rest is held by puts still copying
+            return Status.FULL  # the rest is held by puts still copying, or awaits acknowledgement
         self._used += size
         self._pending[key] = size
         reusable = self._free.get(size) if take_free else None
         if reusable:
             self._free_bytes -= size
             return reusable.pop()
-        if self._used + self._free_bytes > self.capacity_bytes:
+        if self._used + self.retired_bytes + self._free_bytes > self.capacity_bytes:
             self._free.clear()
             self._free_bytes = 0
         return None
+
+    def hold_evictions(self) -> int:
+        """Register a holder: from now on a chunk leaving the pool retires until this holder (and every
+        other) `release`s it. Returns the holder's token."""
+        with self._lock:
+            self._next_holder += 1
+            self._holders.add(self._next_holder)
+            return self._next_holder
+
+    def release(self, token: int, keys: Sequence[str]) -> int:
+        """Holder `token` no longer needs these retired chunks (the scheduler absorbed their withdrawal);
+        each is freed once no holder needs it. Keys not retired (revived, cleared) are skipped. Returns
+        how many were freed."""
+        freed = 0
+        with self._lock:
+            for key in keys:
+                entry = self._retired.get(key)
+                if entry is not None and self._unhold(key, entry, token):
+                    freed += 1
+        return freed
+
+    def drop_holder(self, token: int) -> None:
+        """The holder is gone (its engine closed): it holds nothing from now on."""
+        with self._lock:
+            self._holders.discard(token)
+            for key, entry in list(self._retired.items()):
+                self._unhold(key, entry, token)
+
+    def _unhold(self, key: str, entry: tuple[np.ndarray, set[int]], token: int) -> bool:
+        """Under the lock: True when that was the last holder of the retired `key` (freed)."""
+        entry[1].discard(token)
+        if entry[1]:
+            return False
+        del self._retired[key]
+        self.retired_bytes -= entry[0].size
+        self._recycle(entry[0])
+        return True
+
+    def _retire(self, key: str, array: np.ndarray) -> None:
+        """Under the lock: `array` left the pool; kept readable while a holder needs it."""
+        self._used -= array.size
+        if not self._holders:
+            self._recycle(array)
+            return
+        older = self._retired.pop(key, None)
+        if older is not None:  # a copy stored beside an unusable retired one: a load finds the newer
+            self.retired_bytes -= older[0].size
+            self._recycle(older[0])
+        self._retired[key] = (array, set(self._holders))
+        self.retired_bytes += array.size
 
     def pin(self, array: np.ndarray) -> None:
         """Under the lock (from `on_stored`): `array` is read outside the lock until `unpin`; evicted
@@ -274,11 +412,12 @@ class MemoryBackend:
             if published and self.on_stored is not None:
                 self.on_stored(published[::-1])
 
-    def _release(self, array: np.ndarray) -> None:
-        self._used -= array.size
+    def _recycle(self, array: np.ndarray) -> None:
+        """Under the lock: a freed array (no longer counted) kept for a later value of its size while
+        memory allows."""
         if self._pinned and id(array) in self._pinned:
             return  # its reader drops it
-        if self._used + self._free_bytes + array.size <= self.capacity_bytes:
+        if self._used + self.retired_bytes + self._free_bytes + array.size <= self.capacity_bytes:
             self._free.setdefault(array.size, []).append(array)
             self._free_bytes += array.size
         elif self._free:
@@ -291,18 +430,31 @@ _shared: dict[str, MemoryBackend] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_memory_pool(name: str = "default", capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> MemoryBackend:
+def shared_memory_pool(
+    name: str = "default", capacity_bytes: int = DEFAULT_CAPACITY_BYTES, pool_policy: str | None = None
+) -> MemoryBackend:
     """The process-wide pool called `name`: it outlives engines, so a later engine in this process hits
-    what an earlier one saved."""
+    what an earlier one saved. `pool_policy`: its admission and eviction (core/policy.py; None: "lru"
+    for a new pool, whatever an existing one has)."""
     with _shared_lock:
         pool = _shared.get(name)
         if pool is None:
-            pool = _shared[name] = MemoryBackend(capacity_bytes)
+            policy = make_policy(pool_policy or "lru", capacity_bytes)  # an unknown name raises here
+            pool = _shared[name] = MemoryBackend(capacity_bytes, None if pool_policy in (None, "lru") else policy)
         elif pool.capacity_bytes != capacity_bytes:
             raise ConfigError(
                 "capacity_bytes", capacity_bytes, f"{pool.capacity_bytes} (the size pool {name!r} was created with)"
             )
+        elif pool_policy is not None and policy_name(pool) != pool_policy:
+            raise ConfigError(
+                "pool_policy", pool_policy, f"{policy_name(pool)!r} (what pool {name!r} was created with)"
+            )
         return pool
+
+
+def policy_name(pool: MemoryBackend) -> str:
+    """The name of the pool's policy ("lru" without one)."""
+    return "lru" if pool.policy is None else pool.policy.name
 
 
 def drop_shared_memory_pools() -> None:

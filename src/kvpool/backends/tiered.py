@@ -39,9 +39,10 @@ import numpy as np
 
 from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.backends.disk import DiskStats, DiskTier
-from kvpool.backends.memory import MemoryBackend, _pieces, _writer
+from kvpool.backends.memory import MemoryBackend, _pieces, _writer, policy_name
 from kvpool.core.errors import ConfigError
 from kvpool.core.keys import KeySpace
+from kvpool.core.policy import PoolPolicy, make_policy
 
 log = logging.getLogger("kvpool.tiered")
 
@@ -130,7 +131,9 @@ class TieredPool:
         return results
 
     def put_linked(self, keys: Sequence[str], values: Values, parents: Sequence[bytes | None]) -> list[Status]:
-        """`put`, each chunk's file keeping its parent's hash (the links a restart announces)."""
+        """`put`, each chunk's file keeping its parent's hash (the links a restart announces); DRAM's
+        policy is told them too (its chains)."""
+        self.memory.link(keys, parents)
         with self._lock:
             for key, parent in zip(keys, parents):
                 if parent is not None:
@@ -447,11 +450,15 @@ def shared_tiered_pool(
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     direct: bool = False,
     namespaces: Sequence[KeySpace] | None = None,
+    pool_policy: str | None = None,
 ) -> TieredPool:
     """The process-wide tiered pool called `name` (see `shared_memory_pool`): built once, its disk
     tier scanned then (its directory locked to this process: DiskInUseError if another holds it); later
     engines in the process share it. `direct`: O_DIRECT file I/O. `namespaces`: the key spaces the
-    engine reads, whose files the tier keeps (the scan reclaims the rest; None: keeps every file)."""
+    engine reads, whose files the tier keeps (the scan reclaims the rest; None: keeps every file).
+    `pool_policy`: DRAM's evictions (core/policy.py; None: "lru" for a new pool, whatever an existing
+    one has); DRAM admits every put, since the disk is written from DRAM's copies (a chunk DRAM declined
+    would reach neither tier)."""
     with _shared_lock:
         pool = _shared.get(name)
         if pool is None:
@@ -460,20 +467,30 @@ def shared_tiered_pool(
                 if held.disk.directory == directory:  # two tiers' indexes would evict each other's files
                     raise ConfigError("disk_path", disk_dir, f"a directory pool {other!r} of this process does not use")
             disk = DiskTier(disk_dir, disk_capacity_bytes, direct=direct, namespaces=namespaces)
-            pool = _shared[name] = TieredPool(MemoryBackend(capacity_bytes), disk, read_timeout_s=read_timeout_s)
+            memory = MemoryBackend(capacity_bytes, dram_policy(pool_policy or "lru", capacity_bytes))
+            pool = _shared[name] = TieredPool(memory, disk, read_timeout_s=read_timeout_s)
             return pool
         for key, value, created in (
             ("capacity_bytes", capacity_bytes, pool.memory.capacity_bytes),
             ("disk_path", disk_dir, pool.disk.directory),
             ("disk_capacity_bytes", disk_capacity_bytes, pool.disk.capacity_bytes),
             ("disk_io", _io(direct), _io(pool.disk.direct_asked)),
+            ("pool_policy", pool_policy, policy_name(pool.memory)),
         ):
             if key == "disk_path":
                 value = os.path.abspath(disk_dir)
+            if key == "pool_policy" and value is None:
+                continue
             if value != created:
                 raise ConfigError(key, value, f"{created!r} (what pool {name!r} was created with)")
         pool.disk.adopt(namespaces)
         return pool
+
+
+def dram_policy(name: str, capacity_bytes: int) -> PoolPolicy | None:
+    """DRAM's policy above a disk tier: `name`'s eviction, every put admitted (None: plain LRU)."""
+    policy = make_policy(name, capacity_bytes, admission=False)  # an unknown name raises here
+    return None if name == "lru" else policy
 
 
 def _io(direct: bool) -> str:

@@ -127,6 +127,8 @@ def scheduler_role(
             lookup_timeout_s=config.lookup_timeout_s,
             lookup_wait_s=config.lookup_wait_ms / 1000,
             drop_last_hit_block=plan.drop_last_hit_block,
+            in_step_bytes=int(config.load_in_step_bytes) if config.in_step_loads() else 0,
+            in_step_bytes_per_token=plan.bytes_per_token,
         ),
         healthy=healthy,
         index=index,
@@ -162,6 +164,7 @@ def worker_config(config: KVPoolConfig) -> WorkerConfig:
         save_linger_s=config.save_linger_ms / 1000,
         sync_loads=sync_loads,
         shared_pool=not in_process_pool,
+        load_deadline_s=config.load_deadline_s,
     )
 
 
@@ -176,6 +179,8 @@ class WorkerRole:
             self.backend.remove_listener(self.tracker.dropped)  # the named pool outlives this worker
         if isinstance(self.tracker, PoolTracker) and isinstance(self.backend, TieredPool):
             self.backend.remove_tier_listener(self.tracker.moved)
+        if isinstance(self.tracker, PoolTracker):
+            self.tracker.unhold()
         self.core.drain(timeout_s=WORKER_DRAIN_S)
         self.core.close()
         self.backend.close()
@@ -196,6 +201,8 @@ def worker_role(
         backend.add_listener(tracker.dropped)
         if isinstance(backend, TieredPool):
             backend.add_tier_listener(tracker.moved)  # chunks between DRAM and disk: their events' medium
+        elif config.in_step_loads():
+            tracker.hold(backend, backend.hold_evictions())  # the hit contract: in-step loads cannot miss
     elif report_puts:
         tracker = PutTracker(plan.rank, [p.keys for p in placements])
     core = WorkerCore(backend, plan.coordinator, placements, config=worker_config(config), tracker=tracker)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import ConfigError
 from kvpool.core.mooncake_options import MooncakeOptions
+from kvpool.core.policy import DEFAULT_POLICY, POLICY_NAMES
 from kvpool.core.sizes import parse_size
 
 if TYPE_CHECKING:
@@ -21,6 +22,17 @@ BACKEND_NAMES = ("memory", "mooncake")
 DEFAULT_LOOKUP_TIMEOUT_S = 0.1  # a healthy pool answers a 32k-token lookup in 1-2 ms (Mooncake, loopback)
 DISK_IO_MODES = ("buffered", "direct")  # the disk tier through the page cache, or O_DIRECT (backends/disk.py)
 DEFAULT_LOOKUP_WAIT_MS = 5.0  # how long a lookup may wait for the pool's answer in the engine's call
+# the longest a load may read before it is reported failed (recomputed). A healthy load must fit: a
+# whole 128k-token prompt of an 8B model (16 GiB on one rank) takes 29 s at 0.6 GB/s, the low end of
+# the slowest healthy tier measured (O_DIRECT disk reads, 0.56-0.90 GB/s; Mooncake over TCP 1.1-2.7).
+# A stuck load holds its blocks (and its request) no longer than this
+DEFAULT_LOAD_DEADLINE_S = 30.0
+MAX_LOAD_DEADLINE_S = 3600.0
+# the bytes (per rank) a step may load in-step, before its forward: a hit within it costs no engine step.
+# On a GPU the copy runs on the engine's stream before the forward, delaying the whole batch: 64 MiB is
+# ~2.5 ms at 25 GB/s (pinned host to device, PCIe 4), under a tenth of a loaded step; 512 tokens of an
+# 8B-class model (128 KiB a token), or every prefix hit of a small model
+DEFAULT_LOAD_IN_STEP_BYTES = 64 << 20
 
 
 class Integrity(str, enum.Enum):
@@ -54,10 +66,15 @@ class KVPoolConfig:
     save_linger_ms: float = 20.0
     integrity: str = "off"  # "sampled" or "full": store a seal with each chunk and check it on load (integrity.py)
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
+    pool_policy: str = DEFAULT_POLICY  # the embedded pool's admission and eviction (core/policy.py); "lru": plain LRU
     disk_path: str | None = None  # the embedded pool's disk tier: one directory per rank under it (backends/disk.py)
     disk_capacity_bytes: int | str | None = None  # required with disk_path: bytes of files per rank
     disk_read_timeout_ms: float = 2000.0  # a disk read not done by then is a failed load (recomputed)
     disk_io: str = "buffered"  # or "direct": the disk tier's reads and writes past the page cache (O_DIRECT)
+    load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S  # a load still reading by then is failed (recomputed)
+    # hits the embedded DRAM pool guarantees load in the step that schedules them, up to these bytes a step
+    # per rank (0: every hit waits a step, as with a disk tier, Mooncake or integrity checks)
+    load_in_step_bytes: int | str = DEFAULT_LOAD_IN_STEP_BYTES
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KVPoolConfig:
@@ -136,7 +153,29 @@ class KVPoolConfig:
             raise ConfigError("integrity", self.integrity, " or ".join(modes))
         if self.load_failure_policy not in ("recompute", "engine"):
             raise ConfigError("load_failure_policy", self.load_failure_policy, "recompute or engine")
+        if self.pool_policy not in POLICY_NAMES:
+            raise ConfigError("pool_policy", self.pool_policy, f"one of {', '.join(POLICY_NAMES)}")
+        if (
+            isinstance(self.load_deadline_s, bool)
+            or not isinstance(self.load_deadline_s, (int, float))
+            or not 0 < self.load_deadline_s <= MAX_LOAD_DEADLINE_S
+        ):
+            raise ConfigError(
+                "load_deadline_s", self.load_deadline_s, f"seconds above 0, at most {MAX_LOAD_DEADLINE_S:.0f}"
+            )
+        self.load_in_step_bytes = parse_size("load_in_step_bytes", self.load_in_step_bytes, allow_zero=True)
         self._validate_disk()
+
+    def in_step_loads(self) -> bool:
+        """Whether hits may load in the step that schedules them: only where a load cannot fail (the hit
+        contract): the embedded pool's DRAM alone (a disk read may time out; a Mooncake read leaves the
+        process), and no seal to check (a mismatch is a failed load)."""
+        return (
+            self.load_in_step_bytes > 0  # type: ignore[operator]
+            and self.backend == "memory"
+            and self.disk_path is None
+            and self.integrity == Integrity.OFF.value
+        )
 
     def _validate_disk(self) -> None:
         if self.disk_io not in DISK_IO_MODES:
@@ -177,7 +216,11 @@ class KVPoolConfig:
         each engine has its own); `namespaces`: the rank's key spaces, whose files its disk tier keeps
         (None: every file, for tools that open a tier without an engine)."""
         if self.backend == "memory":
-            options: dict[str, Any] = {"name": self.pool_name, "capacity_bytes": self.capacity_bytes}
+            options: dict[str, Any] = {
+                "name": self.pool_name,
+                "capacity_bytes": self.capacity_bytes,
+                "pool_policy": self.pool_policy,
+            }
             if self.disk_path is not None:
                 options.update(
                     disk_dir=self.disk_dir(rank, dp_rank),

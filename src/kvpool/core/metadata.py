@@ -11,6 +11,9 @@ class LoadSpec:
 
     start_tokens: int
     hit_tokens: int
+    # a hit the pool guarantees (the hit contract): loaded before this step's forward, which computes on
+    # it; the engine does not wait for it, and it is never reported finished
+    in_step: bool = False
 
 
 @dataclass
@@ -40,6 +43,9 @@ class StepMetadata:
     # the last reset that empties the pool: a weights change merged into the same step (one epoch check)
     # must not skip a reset's clear, or a put running since before it lands under a name it no longer has
     clear_epoch: int = 0
+    # the hit contract: rank -> the last of its pool reports the scheduler absorbed before building this
+    # step (each rank frees what those reports withdrew; loads of this step and later were armed without it)
+    pool_acks: dict[int, int] = field(default_factory=dict)
     # loads the engine waits for that the scheduler could not arm (no block table): every worker
     # reports them finished and failed, so the engine recomputes instead of waiting forever
     failed_loads: list[str] = field(default_factory=list)

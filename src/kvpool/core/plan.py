@@ -44,6 +44,7 @@ class ModelPlan:
     shared_pool: bool = True  # False: each rank has a pool of its own (embedded), which it must fill itself
     drop_last_hit_block: bool = False  # a pool hit ends one boundary earlier, as the engine's own hits do
     dp_rank: int = 0  # the data-parallel engine: each has its own disk tier directories
+    bytes_per_token: float = 0.0  # one rank's KV bytes a token, every group (the in-step budget's unit)
 
     @property
     def shard(self) -> int:

@@ -25,6 +25,9 @@ class PoolReport:
     # previous report and are not now (back in DRAM, or dropped: then also in `dropped`)
     demoted: dict[str, list[bytes]] = field(default_factory=dict)
     promoted: dict[str, list[bytes]] = field(default_factory=dict)
+    # the rank's reports so far, this one included: the scheduler acknowledges the highest it absorbed
+    # (`StepMetadata.pool_acks`), and the rank frees what this report withdrew (the hit contract)
+    seq: int = 0
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,9 @@ class PoolIndex:
         self.track_events = False
         self._events: list[PoolEvent] = []
         self._assumed: dict[int, dict[str, set[bytes]]] = {}  # rank -> what `assume` counted for it
+        # rank -> the last of its reports absorbed: the step metadata tells the rank, which then frees
+        # what those reports withdrew (the hit contract, backends/memory.py); kept across resets
+        self.acked: dict[int, int] = {}
 
     def present(self, group: int, chunk_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each chunk of the group is held by every rank that loads it, in every namespace."""
@@ -142,9 +145,15 @@ class PoolIndex:
         """Count what a rank holds as read from outside it (its disk tier's files, before it runs), until
         the rank's own first report (`full`) replaces it: so the first lookups after a restart hit."""
         self._assumed[report.rank] = {prefix: set(hashes) for prefix, hashes in report.stored.items()}
-        self.apply(replace(report, full=False))
+        self._apply(replace(report, full=False))
 
     def apply(self, report: PoolReport) -> None:
+        """A rank's report, absorbed: it is acknowledged (`acked`) whether or not it still counts."""
+        if report.seq > self.acked.get(report.rank, 0):
+            self.acked[report.rank] = report.seq
+        self._apply(report)
+
+    def _apply(self, report: PoolReport) -> None:
         if report.epoch != self.epoch:
             return  # from before a reset (its chunks were dropped with the pool), or not yet
         if report.full:

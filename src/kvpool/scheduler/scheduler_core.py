@@ -36,6 +36,10 @@ class SchedulerConfig:
     # EAGLE / MTP drafters: the drafter's KV at a hit's last position depends on the next token, which no
     # key names, so a hit ends one aligned boundary earlier (vLLM drops a local hit's last block alike)
     drop_last_hit_block: bool = False
+    # the hit contract (every rank holds what the index lists until its withdrawal is acknowledged): hits
+    # load in-step up to this many bytes a step per rank; 0: every load is async
+    in_step_bytes: int = 0
+    in_step_bytes_per_token: float = 0.0  # one rank's KV bytes a token, all groups (for the budget)
 
 
 @dataclass
@@ -47,6 +51,7 @@ class SchedulerStats:
     lookups_skipped: int = 0  # answered "miss" at once: the pool reported itself unhealthy
     loads: int = 0
     load_tokens: int = 0
+    loads_in_step: int = 0  # of `loads`: contract hits, loaded in the step that schedules them
     preemptions: int = 0
     # where a request's time goes, in engine steps (per request: divide by lookups, loads_finished)
     lookup_waits: int = 0  # "ask again" answers: a step a request waited for its lookup
@@ -58,6 +63,17 @@ class SchedulerStats:
     states_partial: int = 0  # sub-block boundaries (vLLM's partial hash hits): not a chunk, never stored
     states_dropped: int = 0  # not a reachable boundary, past the save limit, null, or no live request
     weight_changes: int = 0  # in-place weight changes: each renamed every key space
+    # engine steps from a request's admission (the schedule() that gave it blocks) to the step that samples
+    # its first token, inclusive, summed per kind of hit, and the requests counted (`kvpool.scheduler.steps`):
+    # steps do not drift with the machine as milliseconds do
+    first_token_steps_in_step: int = 0  # a contract hit, loaded in-step
+    first_token_steps_async: int = 0  # a pool hit the engine waited a step for
+    first_token_steps_local: int = 0  # the engine's own prefix-cache hit, nothing from the pool
+    first_token_steps_miss: int = 0  # nothing cached anywhere
+    first_tokens_in_step: int = 0
+    first_tokens_async: int = 0
+    first_tokens_local: int = 0
+    first_tokens_miss: int = 0
 
 
 @dataclass
@@ -264,13 +280,17 @@ class SchedulerCore:
 
     # ---- request lifecycle --------------------------------------------------------------------
 
-    def on_allocated(self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int) -> None:
-        """The engine allocated blocks; `external_tokens` > 0 arms a load of [local, local + external)."""
+    def on_allocated(
+        self, req_id: str, num_prompt_tokens: int, local_tokens: int, external_tokens: int, in_step: bool = False
+    ) -> None:
+        """The engine allocated blocks; `external_tokens` > 0 arms a load of [local, local + external)
+        (`in_step`: loaded before the forward of the step that computes on it)."""
         tracker = self._tracker(req_id, num_prompt_tokens)
         if external_tokens > 0:
-            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens)
+            tracker.load = LoadSpec(local_tokens, local_tokens + external_tokens, in_step)
             _settle(tracker, self._lcm)
             self.stats.loads += 1
+            self.stats.loads_in_step += in_step
             self.stats.load_tokens += external_tokens
 
     def _tracker(self, req_id: str, num_prompt_tokens: int) -> _Tracker:

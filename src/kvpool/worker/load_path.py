@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from kvpool.backends.base import Backend
 from kvpool.core.chunks import ChunkRef
+from kvpool.core.config import DEFAULT_LOAD_DEADLINE_S
 from kvpool.worker.layout import KVLayout
 from kvpool.worker.loader import Loader
 from kvpool.worker.save_plan import SavePlanner
@@ -47,20 +48,43 @@ class LoadPath:
         *,
         batch_chunks: int,
         sync: bool,
+        deadline_s: float = DEFAULT_LOAD_DEADLINE_S,
     ) -> None:
         self.planner = planner
+        self.stats = stats
         self._lock = lock
-        self.loader = Loader(backend, layout, stats, batch_chunks, sync=sync, on_done=self._retire)
+        self._in_step_invalid: set[int] = set()  # blocks an in-step load did not fill (a broken contract)
+        self.loader = Loader(
+            backend, layout, stats, batch_chunks, sync=sync, on_done=self._retire, deadline_s=deadline_s
+        )
 
-    def start(self, req_id: str, start_tokens: int, hit_tokens: int) -> None:
+    def start(self, req_id: str, start_tokens: int, hit_tokens: int, in_step: bool = False) -> None:
         with self._lock:
             chunks = self.planner.load_chunks(req_id, start_tokens, hit_tokens)
+        if in_step:
+            self._start_in_step(req_id, chunks)
+            return
         if chunks is None:
             log.error("request %s: a load for a request this worker holds no table of; reported failed", req_id)
             self.loader.fail(req_id)
             return
         items, missing = chunks
         self.loader.start(req_id, items, missing)
+
+    def _start_in_step(self, req_id: str, chunks: tuple[list[ChunkRef], list[ChunkRef]] | None) -> None:
+        """A contract hit: loaded now, before the forward. It cannot fail while the contract holds; if it
+        does, its blocks are reported invalid (vLLM recomputes a running request from the first one: one
+        full-attention group only takes in-step loads) and counted as a broken contract."""
+        if chunks is None:
+            log.error("request %s: an in-step load for a request this worker holds no table of", req_id)
+            self.stats.in_step_load_failures += 1
+            return
+        failed = self.loader.load_in_step(req_id, *chunks)
+        self.stats.loads_in_step += 1
+        if failed:
+            log.error("request %s: %d chunks of its in-step load did not load (a broken contract)", req_id, len(failed))
+            self.stats.in_step_load_failures += 1
+            self._in_step_invalid.update(item.block_id for item in failed if item.block_id)
 
     def fail(self, req_id: str) -> None:
         """The scheduler could not arm this request's load: it is reported failed."""
@@ -78,9 +102,9 @@ class LoadPath:
 
     def take_failures(self) -> LoadFailures:
         failed = self.loader.take_failed()
+        blocks, self._in_step_invalid = self._in_step_invalid, set()
         if not failed:
-            return LoadFailures(set(), set())
-        blocks: set[int] = set()
+            return LoadFailures(blocks, set())
         requests: set[str] = set()
         for req_id, items in failed.items():
             if items and self.planner.coordinator.resumes_at_failed_chunk:

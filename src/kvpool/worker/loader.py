@@ -19,6 +19,13 @@ opens and the watchdog reports every running load's uncommitted chunks failed (t
 them). A load is settled exactly once, under its lock, by whichever of the two gets there first: a
 late read, if it ever returns, finds its load settled and lands only in its own buffer, never in a
 block the engine has reused.
+
+No load on the call threads waits without bound (a stuck disk, a backend without a breaker, loads
+queued behind calls that never return): one still reading `deadline_s` after it started is settled
+by the watchdog the same way, its uncommitted chunks failed (counted: `loads_timed_out`). Each rank
+times out on its own; the engine unions every rank's failed blocks and requests and waits for every
+rank's finish, so a rank that timed out alone still gets the request recomputed on all of them.
+Loads in the engine's own call (`sync`: an in-process pool's memcpy) never wait for anything.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 
 from kvpool.backends.base import Backend, Rows, Status
 from kvpool.core.chunks import ChunkRef
+from kvpool.core.config import DEFAULT_LOAD_DEADLINE_S
 from kvpool.worker.cuda_runtime import Event
 from kvpool.worker.host_buffers import HostBuffers
 from kvpool.worker.layout import KVLayout
@@ -59,6 +67,7 @@ class _Load:
     items: list[ChunkRef]
     missing: list[ChunkRef]
     after: Event | None
+    deadline: float = float("inf")  # time.monotonic() past which a load still reading is settled failed
     lock: threading.Lock = field(default_factory=threading.Lock)
     committed: int = 0  # items[:committed] are settled (loaded or failed, in `failed`)
     failed: list[ChunkRef] = field(default_factory=list)
@@ -80,8 +89,10 @@ class Loader:
         *,
         sync: bool,
         on_done: LoadDone,
+        deadline_s: float = DEFAULT_LOAD_DEADLINE_S,
     ) -> None:
         self.backend = backend
+        self.deadline_s = deadline_s
         self._layout = layout
         self.stats = stats
         self.batch_chunks = batch_chunks
@@ -110,7 +121,7 @@ class Loader:
         # device memory: the load's copy runs after everything the engine queued until now (Model
         # Runner V2 zeroing these very blocks, for one), whichever thread runs it
         after = layout.engine_point() if layout is not None and items else None
-        load = _Load(req_id, items, missing, after)
+        load = _Load(req_id, items, missing, after, deadline=time.monotonic() + self.deadline_s)
         with self._idle:
             self._running.add(load)
             self._idle.notify_all()  # wakes the watchdog
@@ -121,6 +132,33 @@ class Loader:
             self._settle(load)
         else:
             self._calls.submit(self._run, load)
+
+    def load_in_step(self, req_id: str, items: list[ChunkRef], missing: list[ChunkRef]) -> list[ChunkRef]:
+        """A contract hit's load (the pool keeps every chunk it offered readable): read and committed in
+        the engine's call, before the forward that computes on it, never reported finished (the engine
+        does not wait for it). Returns the chunks that did not load: empty unless the contract broke."""
+        if self._calls is not None:
+            raise RuntimeError("an in-step load needs an in-process pool read in the engine's call (sync loads)")
+        self.stats.loads += 1
+        failed = list(missing)
+        offset = 0
+        try:
+            layout = self._layout()
+            if layout is None:
+                raise RuntimeError("load before register_layout: the engine's KV memory is unknown")
+            after = layout.engine_point() if items else None
+            while offset < len(items):
+                part = items[offset : offset + self.batch_chunks]
+                reads = self._read(layout, part, [])
+                failed += self._commit(layout, part, reads, after)
+                offset += len(part)
+        except Exception:
+            log.exception("in-step load of request %s failed; its blocks will be recomputed", req_id)
+            failed += items[offset:]
+        with self._lock:
+            self.stats.chunks_load_failed += len(failed)
+        self._on_done(req_id, failed)
+        return failed
 
     def fail(self, req_id: str) -> None:
         """A load the engine waits for that cannot run (nothing to load it into): reported finished and
@@ -291,16 +329,17 @@ class Loader:
             self.buffers.give(buffer)
         taken.clear()
 
-    def _settle(self, load: _Load, whole: bool = False) -> None:
+    def _settle(self, load: _Load, whole: bool = False, *, timed_out: bool = False) -> bool:
         """Report the load finished, its uncommitted chunks failed (`whole`: every chunk); only the first
-        call does anything."""
+        call does anything (True: this one did; `timed_out`: counted as a load past its deadline)."""
         with load.lock:
             if load.settled:
-                return
+                return False
             load.settled = True
             failed = load.items + load.missing if whole else load.remaining_failed()
         with self._lock:
             self.stats.chunks_load_failed += len(failed)
+            self.stats.loads_timed_out += timed_out
         try:
             self._on_done(load.req_id, failed)
         finally:
@@ -311,6 +350,7 @@ class Loader:
                 self._reported[load.req_id] = load.items + load.missing
                 self._running.discard(load)
                 self._idle.notify_all()
+        return True
 
     def fence(self) -> int:
         """A pool reset: every load still running is reported failed as a whole, now, so nothing it read
@@ -327,7 +367,8 @@ class Loader:
         return len(running)
 
     def _watch(self) -> None:
-        """While loads run, give up those of a pool that stopped answering (its breaker opened)."""
+        """While loads run, give up those of a pool that stopped answering (its breaker opened) and those
+        still reading past their deadline, as `fence` gives up loads at a reset."""
         while True:
             with self._idle:
                 while not self._running and not self._closed:
@@ -335,12 +376,23 @@ class Loader:
                 if self._closed:
                     return
             time.sleep(HEALTH_POLL_S)
-            if self.backend.healthy():
-                continue
+            healthy = self.backend.healthy()
+            now = time.monotonic()
             with self._lock:
-                running = [load for load in self._running if load.reading]  # the others wait for a commit
+                # the loads not reading wait for the engine's thread to commit them, at its next step
+                running = [load for load in self._running if load.reading and (not healthy or now >= load.deadline)]
+            late = 0
             for load in running:
-                self._settle(load)  # waits for a batch being committed: those chunks did load
+                timed_out = now >= load.deadline
+                # waits for a batch being committed: those chunks did load
+                if self._settle(load, timed_out=timed_out) and timed_out:
+                    late += 1
+            if late:
+                log.warning(
+                    "%d loads still reading after load_deadline_s=%.3g s were reported failed (recomputed)",
+                    late,
+                    self.deadline_s,
+                )
 
     def take_finished(self) -> set[str]:
         """The loads finished since the last call. Call on the engine's thread: it commits the loads

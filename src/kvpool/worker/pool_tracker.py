@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from kvpool.core.keys import KeySpace
 from kvpool.core.pool_reports import PoolReport
@@ -41,6 +42,11 @@ class PoolTracker:
         self._tier_changed: dict[str, bool] = {}  # key -> whether it was disk-only at the previous report
         self.epoch = 0
         self._first = True
+        # the hit contract (backends/memory.py): the pool keeps what leaves it readable until the report
+        # withdrawing it is acknowledged; key -> the sequence number of that report
+        self._seq = 0  # reports taken so far
+        self._retiring: dict[str, int] = {}
+        self._holding: tuple[Any, int] | None = None  # (the pool, this tracker's holder token)
         # what the pool already holds (a pool outliving an earlier engine, its disk tier), with the parents
         # its files name
         self.stored(pool_keys, parents)
@@ -56,11 +62,37 @@ class PoolTracker:
                 return prefix, bytes.fromhex(key[len(prefix) :])
         return None
 
+    def hold(self, pool: Any, token: int) -> None:
+        """Hold what leaves `pool` (a `MemoryBackend` that gave this tracker holder `token`) until the
+        scheduler acknowledges the report that withdrew it (`acknowledge`)."""
+        self._holding = (pool, token)
+
+    def unhold(self) -> None:
+        """This rank stops holding (its worker closes; the named pool outlives it)."""
+        if self._holding is not None:
+            pool, token = self._holding
+            self._holding = None
+            pool.drop_holder(token)
+
+    def acknowledge(self, seq: int) -> int:
+        """The scheduler absorbed this rank's reports up to `seq`: no load armed from now on names what
+        they withdrew, and every load armed before has run (steps reach a worker in order). Frees those
+        chunks; returns how many."""
+        if self._holding is None or not self._retiring:
+            return 0
+        with self._lock:
+            done = [key for key, reported_in in self._retiring.items() if reported_in <= seq]
+            for key in done:
+                del self._retiring[key]
+        pool, token = self._holding
+        return int(pool.release(token, done)) if done else 0
+
     def stored(self, keys: Sequence[str], parents: Sequence[bytes | None] | None = None) -> None:
         """These keys are now in the pool (put, or found there); `parents[i]`, when known, is the chunk
         hash before key i's chunk in its chain (b"": the first chunk)."""
         with self._lock:
             for index, key in enumerate(keys):
+                self._retiring.pop(key, None)  # back in the pool (a retired key's put revives it)
                 if key not in self._held:
                     if self._split(key) is None:
                         continue  # another engine's namespace
@@ -74,15 +106,24 @@ class PoolTracker:
                     self._links[key] = parent
 
     def dropped(self, keys: Sequence[str]) -> None:
-        """These keys left the pool (evicted, removed, cleared)."""
+        """These keys left the pool (evicted, removed, cleared). Held ones retire until the report that
+        withdraws them is acknowledged; another engine's are no index's of this engine: freed now."""
+        foreign: list[str] = []
         with self._lock:
             for key in keys:
+                if self._holding is not None:
+                    if self._split(key) is None:
+                        foreign.append(key)
+                    else:
+                        self._retiring[key] = self._seq + 1  # the next report withdraws it
                 if key in self._held:
                     self._changed.setdefault(key, True)
                     self._held.discard(key)
                     if key in self._disk_only:
                         self._tier_changed.setdefault(key, True)
                         self._disk_only.discard(key)
+        if foreign and self._holding is not None:
+            self._holding[0].release(self._holding[1], foreign)
 
     def moved(self, keys: Sequence[str], on_disk: bool) -> None:
         """A tiered pool moved these keys between its tiers: now on disk only (`on_disk`), or in DRAM."""
@@ -101,6 +142,7 @@ class PoolTracker:
         starts empty)."""
         with self._lock:
             self.epoch = epoch
+            self._retiring.clear()  # the pool was emptied: nothing is retired any more
             self._held.clear()
             self._changed.clear()
             self._links.clear()
@@ -130,8 +172,10 @@ class PoolTracker:
                     prefix, chunk_hash = self._split(key)  # type: ignore[misc]
                     (report.promoted if was_on_disk else report.demoted).setdefault(prefix, []).append(chunk_hash)
             self._changed, self._links, self._tier_changed = {}, {}, {}
-        if not (report.stored or report.dropped or report.parents or report.demoted or report.promoted or report.full):
-            return None
+            if not (report.stored or report.dropped or report.parents or report.demoted or report.promoted or first):
+                return None
+            self._seq += 1
+            report.seq = self._seq
         return report
 
 

@@ -211,7 +211,7 @@ class SavePath:
                 if not self._pressure:
                     self.stats.pressure_events += 1
                 self._pressure = True
-            elif self._pressure and results and all(status is Status.OK for status in results):
+            elif self._pressure and results and all(status in (Status.OK, Status.DECLINED) for status in results):
                 self._pressure = False
 
     # ---- resets ---------------------------------------------------------------------------------

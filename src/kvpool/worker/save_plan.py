@@ -185,7 +185,9 @@ class SavePlanner:
         offset = 0
         for part in ranges:
             state: _RequestState = part.state
-            ok = all(status is Status.OK for status in results[offset : offset + part.count])
+            # a chunk the pool's admission declined is settled as one stored (never retried), and is not
+            # in the pool: the index hears only of stored chunks
+            ok = all(status in (Status.OK, Status.DECLINED) for status in results[offset : offset + part.count])
             offset += part.count
             state.in_flight -= 1
             if not state.dropped and part.moves_marks:

@@ -76,13 +76,13 @@ def put_batch(
             stats.full_retries += 1
             time.sleep(pause)
             put(full)
-        if any(results[index] not in (Status.OK, Status.FULL) for index in part):
+        if any(results[index] not in (Status.OK, Status.FULL, Status.DECLINED) for index in part):
             # a failed call (not a full pool): the items after it are left untried, failed
             for index in todo[offset + batch_chunks :]:
                 results[index] = Status.ERROR
             break
         # a part still refused as full: the later parts are tried once each (newer chunks; the pool evicts)
-    stats.chunks_put_failed += sum(status is not Status.OK for status in results)
+    stats.chunks_put_failed += sum(status not in (Status.OK, Status.DECLINED) for status in results)
     return results
 
 

@@ -21,6 +21,9 @@ class WorkerStats:
     loads: int = 0
     chunks_loaded: int = 0
     chunks_load_failed: int = 0
+    loads_timed_out: int = 0  # loads still reading past their deadline: reported failed, recomputed
+    loads_in_step: int = 0  # contract hits loaded before the forward of the step that scheduled them
+    in_step_load_failures: int = 0  # in-step loads that did not fully load: the hit contract broke (never expected)
     chunks_corrupt: int = 0  # loaded chunks whose seal did not match (failed, recomputed, dropped)
     bytes_loaded: int = 0
     pressure_events: int = 0

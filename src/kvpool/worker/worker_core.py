@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpool.backends.base import Backend
+from kvpool.core.config import DEFAULT_LOAD_DEADLINE_S
 from kvpool.core.errors import LayoutError
 from kvpool.core.masks import MaskCoordinator
 from kvpool.core.metadata import RequestDelta, StepMetadata
@@ -54,6 +55,8 @@ class WorkerConfig:
     # load in the caller's thread: right for an in-process pool, where a load is a memcpy and a loader
     # thread would only wait for the GIL while the engine loop spins; remote pools load on a thread
     sync_loads: bool = False
+    # a load on the loader's threads still reading this long after it started is reported failed
+    load_deadline_s: float = DEFAULT_LOAD_DEADLINE_S
     # other engines read the pool (Mooncake): an in-place weight change leaves it as it is
     shared_pool: bool = False
 
@@ -107,6 +110,7 @@ class WorkerCore:
             self.stats,
             batch_chunks=self.config.put_batch_chunks,
             sync=self.config.sync_loads,
+            deadline_s=self.config.load_deadline_s,
         )
         self._registered: list[int] = []  # addresses registered with the backend, unregistered at close
         if layout is not None:
@@ -145,6 +149,9 @@ class WorkerCore:
             self.reset(step.reset_epoch, clear=clear)  # not reached directly by the scheduler
         for req_id in step.failed_loads:
             self.loads.fail(req_id)
+        if step.pool_acks and isinstance(self.tracker, PoolTracker):
+            # before this step's loads, armed without what the acknowledged reports withdrew
+            self.tracker.acknowledge(step.pool_acks.get(self.tracker.rank, 0))
 
     def apply(self, deltas: Iterable[RequestDelta]) -> None:
         """Once per engine step, before its forward: record new hashes and blocks, and start the loads
@@ -153,7 +160,7 @@ class WorkerCore:
             with self._lock:
                 self._planner.update(delta)
             if delta.load is not None:  # a request without a state here is reported failed by `load`
-                self.load(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens)
+                self.loads.start(delta.req_id, delta.load.start_tokens, delta.load.hit_tokens, delta.load.in_step)
 
     def save(self, deltas: Iterable[RequestDelta]) -> None:
         """After the step's forward: save every request whose saveable length grew, as one batch.

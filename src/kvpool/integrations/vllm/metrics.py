@@ -92,6 +92,9 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("bytes_loaded", "bytes_loaded", "Bytes of KV loaded from the pool."),
     MetricSpec("chunks_load_failed", "chunks_load_failed", "Chunks whose load failed (recomputed by the engine)."),
     MetricSpec(
+        "loads_timed_out", "loads_timed_out", "Loads still reading past load_deadline_s: reported failed, recomputed."
+    ),
+    MetricSpec(
         "chunks_corrupt", "chunks_corrupt", "Loaded chunks whose seal did not match their bytes (failed, recomputed)."
     ),
     MetricSpec("bytes_captured", "bytes_captured", "Bytes copied out of engine blocks in the step, for async puts."),
@@ -110,6 +113,13 @@ BACKEND_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("disk_corrupt", "disk_corrupt", "Disk tier files that failed their checks (removed, recomputed)."),
     MetricSpec("disk_late_reads", "disk_late_reads", "Disk tier reads past disk_read_timeout_ms (recomputed)."),
 )
+# the kinds of hit a request's steps to first token are counted under (SchedulerStats.first_token_steps_*)
+FIRST_TOKEN_KINDS = {
+    "in_step": "a pool hit loaded in-step",
+    "async": "a pool hit the engine waited a step for",
+    "local": "the engine's own prefix-cache hit",
+    "miss": "no hit",
+}
 SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("lookups", "lookups", "Pool lookups made for new or preempted requests."),
     MetricSpec("lookup_hit_tokens", "lookup_hit_tokens", "Prompt tokens the pool lookups found."),
@@ -127,6 +137,19 @@ SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "weight_changes", "weight_changes", "In-place weight changes of the engine: each one renamed every key."
+    ),
+    MetricSpec("load_requests_in_step", "loads_in_step", "Of load_requests: contract hits loaded in-step (no wait)."),
+    *(
+        spec
+        for kind, what in FIRST_TOKEN_KINDS.items()
+        for spec in (
+            MetricSpec(
+                f"first_token_steps_{kind}",
+                f"first_token_steps_{kind}",
+                f"Engine steps from admission to first token, summed over requests with {what}.",
+            ),
+            MetricSpec(f"first_tokens_{kind}", f"first_tokens_{kind}", f"Requests with {what} at their first token."),
+        )
     ),
 )
 COUNTERS: tuple[MetricSpec, ...] = WORKER_COUNTERS + BACKEND_COUNTERS + SCHEDULER_COUNTERS

@@ -7,6 +7,7 @@ facts from the same engine, whichever shape vLLM hands each role its KV cache co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -149,4 +150,15 @@ def drops_eagle_block(vllm_config: VllmConfig) -> bool:
 
 
 def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVPoolConfig) -> ModelPlan:
-    return build_plan(engine_facts(vllm_config, kv_cache_config, config.weights_version), config)
+    plan = build_plan(engine_facts(vllm_config, kv_cache_config, config.weights_version), config)
+    return dataclasses.replace(plan, bytes_per_token=rank_bytes_per_token(kv_cache_config, plan.pp_size))
+
+
+def rank_bytes_per_token(kv_cache_config: KVCacheConfig, pp_size: int) -> float:
+    """One rank's KV bytes a token over every group (a page is one layer's block on one TP rank; PP
+    stages split the layers): what a hit's load copies, for the in-step budget."""
+    total = 0.0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        total += spec.page_size_bytes * len(group.layer_names) / max(1, spec.block_size)
+    return total / max(1, pp_size)
