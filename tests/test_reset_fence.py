@@ -16,7 +16,7 @@ from kvpool.backends.disk import DiskTier
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
 from kvpool.core.metadata import LoadSpec, RequestDelta
-from test_loads import failed_blocks, hold_reads, saved_prefix
+from test_loads import failed_blocks, saved_prefix, start_held_load
 from worker_fakes import POISON
 
 PREFIX = "kvp1/tiny/0123456789abcdef/s0/p0/g0/"
@@ -82,14 +82,7 @@ def test_a_reset_reports_every_load_still_reading_failed_and_its_bytes_never_lan
     """WorkerCore.reset while a load's read is in the pool: the load is reported finished at once, every
     block failed (the engine recomputes them), and when the read returns, its bytes (from before the
     reset) reach no engine block."""
-    model, backend, engine, hashes, _ = saved_prefix(closing)
-    release, entered = threading.Event(), threading.Event()
-    hold_reads(backend, release, entered)
-    tables = model.tables(144)
-    delta = RequestDelta("reader", new_hashes=hashes, new_blocks=tables, num_prompt_tokens=144)
-    delta.load = LoadSpec(0, 128)
-    engine.apply([delta])
-    assert entered.wait(5)
+    model, _, engine, tables, release = start_held_load(closing)
     engine.reset(1, wait_s=0.5)
     began = time.monotonic()
     while not engine.take_finished_loads():

@@ -54,6 +54,14 @@ class CountingBackend:
             self.put_statuses.extend(status.name for status in statuses)
         return statuses
 
+    def put_linked(self, keys: Sequence[str], values: Sequence[Any], parents: Sequence[bytes | None]) -> Any:
+        """The save path's put where the pool takes chains (the embedded pool, for its policy): counted too."""
+        statuses = self.inner.put_linked(keys, values, parents)
+        with self._lock:
+            self.put_keys.extend(keys)
+            self.put_statuses.extend(status.name for status in statuses)
+        return statuses
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

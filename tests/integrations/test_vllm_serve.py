@@ -6,7 +6,9 @@ prompts, then other prompts that push them out of the engine's own cache, then t
 again, whose prefix must now come from the pool. Outputs must equal a server without kvpool; hits
 show in `usage.prompt_tokens_details.cached_tokens`, on /metrics, and as KV events (medium CPU) that
 name exactly the blocks vLLM itself announced for those prompts. The pools have a disk tier: a server
-restarted onto its directory serves the first prompts from disk on its first requests.
+restarted onto its directory serves the first prompts from disk on its first requests. A disk tier puts
+every hit on the async path (the engine waits a step for it); beside the restart, a server whose pool is
+DRAM only takes the same prompts back as contract hits (issue 43), loaded in the step that schedules them.
 """
 
 from __future__ import annotations
@@ -116,6 +118,14 @@ def serve(
     return results
 
 
+def steps_to_first_token(metrics: dict[str, float], kind: str) -> float:
+    """Engine steps from admission to first token per request with this kind of hit (in_step, async,
+    local, miss), from the scheduler's counters on /metrics."""
+    requests = metrics.get(f"vllm:kvpool_first_tokens_{kind}_total", 0)
+    assert requests > 0, f"no request with a hit of kind {kind!r}: {metrics}"
+    return metrics.get(f"vllm:kvpool_first_token_steps_{kind}_total", 0) / requests
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_served_prompts_come_back_from_the_pool_and_after_a_restart_from_its_disk_tier(tp, model_dir, tmp_path):
     """Each rank writes its pool behind to its own directory under `disk_path`; a new server on the same
@@ -165,6 +175,13 @@ def test_served_prompts_come_back_from_the_pool_and_after_a_restart_from_its_dis
     metrics = tail["metrics"]
     assert metrics.get("vllm:external_prefix_cache_hits_total", 0) >= 6 * 384, metrics
     assert metrics.get("vllm:kvpool_chunks_loaded_total", 0) >= 6 * 6
+    # a pool with a disk tier offers no hit contract (a disk read may time out): every hit loads async, and
+    # reaches its first token at least a step later than a contract hit (the DRAM-only server below). Here
+    # a call thread reads it and the engine's thread commits it at a later step: 3 steps measured, more
+    # if the read outlasts a step (an in-process pool's async load with load_in_step_bytes 0 takes 2)
+    assert metrics.get("vllm:kvpool_load_requests_in_step_total", 0) == 0, metrics
+    assert metrics.get("vllm:kvpool_first_tokens_async_total", 0) == len(first), metrics
+    assert steps_to_first_token(metrics, "async") >= 2
     inspected = tail["inspect"]
     assert inspected.exit_code == 0, inspected.output
     engines = json.loads(inspected.output)
@@ -192,10 +209,27 @@ def test_served_prompts_come_back_from_the_pool_and_after_a_restart_from_its_dis
 
     # a restart onto the same directory: DRAM starts empty, every rank's files are known before the first request
     assert chunk_files() == [BLOCKS_STORED] * tp  # every rank keeps its shard of every full block
-    *restarted, tail = serve(model, tp, first, kv_transfer_config=connector)
+    # beside it, a server whose pool is DRAM only (default load_in_step_bytes): its hits are contract hits
+    dram_only = {**connector, "kv_connector_extra_config": {"capacity_bytes": "64MiB"}}
+    with ThreadPoolExecutor(1) as aside:
+        in_step_run = aside.submit(serve, model, tp, workload, kv_transfer_config=dram_only)
+        *restarted, tail = serve(model, tp, first, kv_transfer_config=connector)
     assert [r["token_ids"] for r in restarted] == [r["token_ids"] for r in base_outputs[: len(first)]]
     assert [r["cached_tokens"] for r in restarted] == [384] * len(first), "the restarted server missed"
     metrics = tail["metrics"]
     kvpool = {k: v for k, v in metrics.items() if k.startswith("vllm:kvpool") and not k.endswith("_created")}
     assert kvpool.get("vllm:kvpool_disk_hits_total", 0) >= len(first) * 6 * tp, kvpool  # every hit read the disk
     assert metrics.get("vllm:kvpool_pool_disk_keys", 0) == BLOCKS_STORED * tp
+
+    # the DRAM-only server: the same outputs, every first prompt back from the pool and loaded in the step
+    # that scheduled it, so it reaches its first token in one engine step (the disk-tier server's: 2 or more)
+    *in_step_outputs, tail = in_step_run.result()
+    assert [r["token_ids"] for r in in_step_outputs] == [r["token_ids"] for r in base_outputs]
+    assert [r["cached_tokens"] for r in in_step_outputs[len(first) + len(others) :]] == [384] * len(first)
+    metrics = tail["metrics"]
+    kvpool = {k: v for k, v in metrics.items() if k.startswith("vllm:kvpool") and not k.endswith("_created")}
+    assert kvpool.get("vllm:kvpool_load_requests_in_step_total", 0) == len(first), kvpool
+    assert kvpool.get("vllm:kvpool_first_tokens_async_total", 0) == 0, kvpool
+    assert steps_to_first_token(metrics, "in_step") == 1
+    assert kvpool.get("vllm:kvpool_chunks_loaded_total", 0) == len(first) * 6 * tp, kvpool  # every rank its shard
+    assert kvpool.get("vllm:kvpool_chunks_load_failed_total", 0) == 0, kvpool

@@ -22,7 +22,7 @@ import numpy as np
 from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.core.buffers import as_u8
 from kvpool.core.errors import ConfigError
-from kvpool.core.policy import PoolPolicy, make_policy
+from kvpool.core.policy import LRUPolicy, PoolPolicy, make_policy
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
 # under the hit contract, this fraction of capacity is kept for chunks awaiting acknowledgement: what a few
@@ -45,8 +45,8 @@ class MemoryBackend:
             raise ConfigError("capacity_bytes", capacity_bytes, "a positive integer number of bytes")
         self.capacity_bytes = capacity_bytes
         # admission and eviction (core/policy.py), called under the lock; None: every chunk stored, the
-        # least recently used evicted
-        self.policy = policy
+        # least recently used evicted (so is `LRUPolicy`: the pool's own order, at no cost)
+        self.policy = None if isinstance(policy, LRUPolicy) else policy
         self._lock = threading.Lock()
         self._items: OrderedDict[str, np.ndarray] = OrderedDict()
         self._pending: dict[str, int] = {}  # key → bytes reserved by a put still copying
@@ -182,6 +182,8 @@ class MemoryBackend:
             count = len(self._items)
             self._gone.extend(self._items)
             self._items.clear()
+            if self.policy is not None:
+                self.policy.clear()
             self._retired.clear()
             self.retired_bytes = 0
             self._free.clear()
@@ -253,13 +255,13 @@ class MemoryBackend:
         present = [key in items or key in pending for key in keys]
         return self.policy.put(keys, sizes, present, self.capacity_bytes - self._used, items.__contains__, admit_all)
 
-    def _victim(self) -> str:
-        """Under the lock, the pool not empty: the key eviction takes next."""
-        if self.policy is not None:
-            key = self.policy.victim(self._items.__contains__)
-            if key is not None and key in self._items:
-                return key
-        return next(iter(self._items))
+    def _victim(self) -> str | None:
+        """Under the lock, the pool not empty: the key eviction takes next (None: the policy has none it
+        may take without cutting a chain; the put is refused)."""
+        if self.policy is None:
+            return next(iter(self._items))
+        key = self.policy.victim(self._items.__contains__)
+        return key if key is None or key in self._items else next(iter(self._items))
 
     def _reserve_slots(
         self, keys: Sequence[str], sizes: list[int], take_free: bool = True
@@ -311,16 +313,22 @@ class MemoryBackend:
             self._items[key] = array
             return Status.OK
         # under the hit contract a reserve of capacity holds the retired chunks: live + retired <= capacity
-        live_limit = self.capacity_bytes - (self.retire_limit_bytes if self._holders else 0)
+        # (retired bytes past the reserve, from explicit removals, shrink the live share further)
+        reserve = max(self.retire_limit_bytes, self.retired_bytes) if self._holders else 0
+        live_limit = self.capacity_bytes - reserve
         if size == 0 or size > live_limit:
             stats.put_failures += 1
             return Status.FULL if size else Status.ERROR
         while self._used + size > live_limit and self._items:
             key_out = self._victim()
+            if key_out is None:
+                break  # nothing the policy may evict: refused (FULL)
             oldest = self._items[key_out]
             if self._holders and self.retired_bytes + oldest.size > self.retire_limit_bytes:
                 break  # the reserve is full of chunks awaiting acknowledgement: refuse rather than exceed it
             evicted = self._items.pop(key_out)
+            if self.policy is not None:
+                self.policy.evicted(key_out)
             self._retire(key_out, evicted)
             self._gone.append(key_out)
             stats.evictions += 1

@@ -201,7 +201,7 @@ def worker_role(
         backend.add_listener(tracker.dropped)
         if isinstance(backend, TieredPool):
             backend.add_tier_listener(tracker.moved)  # chunks between DRAM and disk: their events' medium
-        elif config.in_step_loads():
+        elif config.in_step_loads() and plan.coordinator.resumes_at_failed_chunk:
             tracker.hold(backend, backend.hold_evictions())  # the hit contract: in-step loads cannot miss
     elif report_puts:
         tracker = PutTracker(plan.rank, [p.keys for p in placements])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TypeVar
 
 from kvpool.core.errors import LayoutError
@@ -36,7 +37,11 @@ class SpecFacts:
     # state-space (vLLM `MambaSpec`) settings; None / defaults for attention specs
     state_cache_mode: str | None = None
     num_speculative_blocks: int = 0
-    tokens_per_state: int = -1
+    # tokens one stored state covers: 1 (or -1, a spec without the field) one state per token; an int
+    # > 1 compressed KV (DeepSeek V4's c4 / c128 attention and indexer); a Fraction < 1 several states
+    # per token (vLLM's Whisper block pooling). `block_size` counts tokens either way: a block holds
+    # block_size / tokens_per_state states (vLLM's `get_num_kernel_states`)
+    tokens_per_state: int | Fraction = -1
 
 
 # Every `MambaSpec` setting of vLLM 0.32, served or refused, and why (README: hybrid models). The
@@ -91,7 +96,54 @@ def _state(facts: SpecFacts) -> AttentionKind:
     return StateSpace(facts.block_size)
 
 
+# `tokens_per_state` on an attention spec (vLLM 0.32's `AttentionSpec`), served or refused, and why
+# (README: model families). The start-up error of a refused one repeats its reason.
+COMPRESSION_SETTINGS: dict[str, str] = {
+    "tokens_per_state = 1": "served: one state per token, the plain paged KV cache",
+    "tokens_per_state > 1, a divisor of block_size": (
+        "served by the spec's own kind (full, or sliding window in tokens): a block holds block_size / "
+        "tokens_per_state whole compressed states, so every block boundary, and so every hit boundary (a "
+        "multiple of the LCM of the groups' block sizes), ends a state: a stored block's states are final, "
+        "and vLLM's managers keep and free blocks by token position whatever the compression"
+    ),
+    "tokens_per_state > 1, not a divisor of block_size": (
+        "refused: a block would end inside a compressed state, whose bytes are written only when its last "
+        "token is computed, so a block stored at a hit boundary would hold a state a later token changes"
+    ),
+    "tokens_per_state < 1": (
+        "refused: several states per token (vLLM's Whisper block pooling) is not a causal token prefix "
+        "kvpool has shown exact"
+    ),
+}
+
+
+def _compression(facts: SpecFacts, kind: str) -> None:
+    """LayoutError naming the spec and its `tokens_per_state` when kvpool cannot serve that compression
+    with `kind` (the kind the spec's class maps to)."""
+    ratio = facts.tokens_per_state
+    if ratio in (-1, 1):
+        return
+    what = f"KV cache spec {facts.type_name}(block_size={facts.block_size}, tokens_per_state={ratio})"
+    if not (isinstance(ratio, int) or (isinstance(ratio, Fraction) and ratio.denominator == 1)) or ratio < 1:
+        raise LayoutError(
+            f"{what} is not supported by kvpool: {COMPRESSION_SETTINGS['tokens_per_state < 1']}. Run this model "
+            "without the connector"
+        )
+    if facts.block_size % int(ratio):
+        raise LayoutError(
+            f"{what} is not supported by kvpool: "
+            f"{COMPRESSION_SETTINGS['tokens_per_state > 1, not a divisor of block_size']}. Choose a block size "
+            f"that is a multiple of {ratio}, or run without the connector"
+        )
+    if kind == ChunkedLocal.name:
+        raise LayoutError(
+            f"{what} is not supported by kvpool: no vLLM model compresses chunked local attention, and kvpool "
+            "has not shown it exact. Run this model without the connector"
+        )
+
+
 def _full(facts: SpecFacts) -> AttentionKind:
+    _compression(facts, FullAttention.name)
     if facts.non_causal:
         raise LayoutError(
             f"KV cache spec {facts.type_name}(non_causal=True) is not supported by kvpool: a prefix-LM "
@@ -106,12 +158,14 @@ def _full(facts: SpecFacts) -> AttentionKind:
 def _sliding(facts: SpecFacts) -> AttentionKind:
     if facts.sliding_window is None:
         raise LayoutError(f"KV cache spec {facts.type_name} has no sliding_window")
+    _compression(facts, SlidingWindow.name)
     return SlidingWindow(facts.block_size, facts.sliding_window, extra_retained=facts.extra_retained_tokens)
 
 
 def _chunked(facts: SpecFacts) -> AttentionKind:
     if facts.attention_chunk_size is None:
         raise LayoutError(f"KV cache spec {facts.type_name} has no attention_chunk_size")
+    _compression(facts, ChunkedLocal.name)
     return ChunkedLocal(facts.block_size, facts.attention_chunk_size)
 
 
@@ -154,7 +208,13 @@ def attention_kind(facts: SpecFacts) -> AttentionKind:
 def group_layer(wrapper: str, layers: Sequence[Layer], facts: Callable[[Layer], SpecFacts]) -> Layer:
     """The layer that stands for a group the engine describes layer by layer: the first, since that is
     the spec the engine's scheduler is handed, so both roles derive the same kind and keys. LayoutError
-    naming `wrapper` (the engine's class for the group) when the layers differ in attention kind."""
+    naming `wrapper` (the engine's class for the group) when the layers differ in attention kind.
+
+    Every layer is classified, so a layer the scheduler never sees is still refused by name at the
+    workers' start-up: e.g. layers that differ in `tokens_per_state` (DeepSeek V4's group of the indexer
+    and the c4 and c128 compressed caches: 4 and 128 at block size 256) are served, with the first
+    layer's kind, only when every layer's compression divides the block size (`_compression`): then the
+    kind does not depend on it and every hit boundary ends every layer's states."""
     if not layers:
         raise LayoutError(f"KV cache group {wrapper} lists no layers")
     kinds = {attention_kind(facts(layer)) for layer in layers}

@@ -11,6 +11,7 @@ from math import prod
 from typing import Any
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from kvpool.backends.base import Rows, Status, _bounds
 from kvpool.core.buffers import as_u8
@@ -43,7 +44,10 @@ PER_BLOCK_MIN_BYTES = 16 << 10
 class KVLayout:
     """Maps (group, block id) to the byte pieces of that block in every layer of the group.
 
-    Host tensors are addressed in place (zero copy). Device tensors go through a host staging ring on
+    Host tensors are addressed in place (zero copy), through their strides: a row is a block's bytes
+    wherever the tensor's strides put them, e.g. a page padded past its block (vLLM pads DeepSeek V4's
+    37,376 B block to a 37,440 B page) is a row of the block's bytes whose padding is never stored
+    and never written by a load (`_host_views`). Device tensors go through a host staging ring on
     copy streams (device_copy.py): `capture_rows` starts a copy out and returns at once; its bytes are
     valid after `Staged.wait` (the sender's thread waits, never the engine's).
 
@@ -105,12 +109,13 @@ class KVLayout:
             halves = [tensor[0], tensor[1]] if kv_outer else [tensor]
             for half in halves:
                 try:
-                    view = half if self.staged else as_u8(half).reshape(num_blocks, -1)
                     if self.staged:
                         pieces[group].extend(_block_pieces(half))
-                except TypeError as exc:  # not contiguous or not host memory: say which layer
+                        self._views[group].append(half)
+                    else:  # one view per dense byte run of a block: one unless a block's bytes are spread
+                        self._views[group].extend(_host_views(half, num_blocks))
+                except TypeError as exc:  # strides kvpool cannot address, or not host memory: say which layer
                     raise LayoutError(f"layer {name!r}: {exc}") from exc
-                self._views[group].append(view)
         self._view_tuples = [tuple(views) for views in self._views]
         # per group: a save's copy goes block by block whatever the count (host rows this wide or wider)
         self._wide_rows = [
@@ -365,28 +370,86 @@ def _block_pieces(half: Any) -> list[tuple[Any, Any, int, int, int]]:
     makes up one block of `half` (num_blocks, ...), in address order: one for a contiguous block in
     any dim order, several when a block is spread (e.g. heads outside blocks)."""
     element = half.element_size()
-    if any(stride < 0 for stride in half.stride()):
-        raise TypeError(f"tensor of strides {tuple(half.stride())} has negative strides")
+    strides = [stride * element for stride in half.stride()]
+    runs = _block_runs(tuple(half.shape), strides, element)
     key = half.untyped_storage().data_ptr()
-    block_stride = half.stride(0) * element
-    out: list[tuple[Any, Any, int, int, int]] = []
+    start = half.storage_offset() * element
+    return [(key, half, start + offset, strides[0], width) for offset, width in runs]
+
+
+def _host_views(half: Any, num_blocks: int) -> list[np.ndarray]:
+    """The blocks of one (num_blocks, ...) host tensor as 2-D uint8 views (num_blocks, width) of its
+    memory, one per dense byte run of a block, in address order. Zero copy: a row is the block's bytes
+    read through the tensor's strides. A contiguous tensor is one view of C-contiguous rows; a padded
+    page (vLLM pads DeepSeek V4's 37,376 B block to a 37,440 B page, so stride(0) is wider than the
+    block) is one view whose rows stand `stride(0)` bytes apart: the padding lies outside every row, so
+    no save reads it and no load writes it."""
+    contiguous = half.flags.c_contiguous if isinstance(half, np.ndarray) else half.is_contiguous()
+    if contiguous or not half.shape:
+        return [as_u8(half).reshape(num_blocks, -1)]
+    if isinstance(half, np.ndarray):
+        element, strides, address = half.itemsize, list(half.strides), int(half.ctypes.data)
+        readonly = not half.flags.writeable
+    else:
+        if half.device.type != "cpu":
+            raise TypeError(f"buffer on {half.device} is not host memory; stage it first")
+        element = half.element_size()
+        strides, address, readonly = [stride * element for stride in half.stride()], int(half.data_ptr()), False
+    runs = _block_runs(tuple(half.shape), strides, element)
+    return [
+        np.asarray(_ByteRows(half, address + offset, (num_blocks, width), (strides[0], 1), readonly))
+        for offset, width in runs
+    ]
+
+
+class _ByteRows:
+    """A 2-D uint8 array interface over host memory `owner` holds (numpy keeps this object, and so
+    `owner`, alive as the view's base): numpy's own `as_strided` in the one form kvpool needs, for
+    numpy arrays and torch tensors alike (bfloat16 and fp8 tensors have no numpy dtype)."""
+
+    def __init__(self, owner: Any, address: int, shape: tuple[int, int], strides: tuple[int, int], readonly: bool):
+        self.owner = owner
+        self.__array_interface__ = {
+            "version": 3,
+            "typestr": "|u1",
+            "data": (address, readonly),
+            "shape": shape,
+            "strides": strides,
+        }
+
+
+def _block_runs(shape: tuple[int, ...], strides: Sequence[int], element: int) -> list[tuple[int, int]]:
+    """(byte offset from the block's start, width) of every dense byte run of one block of a tensor of
+    `shape` (num_blocks, ...) and byte `strides`, in address order. TypeError for strides whose blocks
+    overlap themselves or each other (negative, or zero on a dim of several elements)."""
+    if any(stride < 0 for stride in strides):
+        raise TypeError(f"tensor of byte strides {tuple(strides)} has negative strides")
+    if any(stride == 0 and size > 1 for size, stride in zip(shape, strides)):
+        raise TypeError(f"tensor of shape {shape} and byte strides {tuple(strides)} repeats elements (a zero stride)")
+    out: list[tuple[int, int]] = []
 
     def split(offset: int, dims: list[tuple[int, int]]) -> None:
         dims = [(size, stride) for size, stride in dims if size != 1]
-        if _dense(dims):
-            out.append((key, half, offset, block_stride, prod(size for size, _ in dims) * element))
+        if _dense(dims, element):
+            out.append((offset, prod(size for size, _ in dims) * element))
             return
         outer = max(range(len(dims)), key=lambda index: dims[index][1])
         size, stride = dims[outer]
         for index in range(size):
-            split(offset + index * stride * element, dims[:outer] + dims[outer + 1 :])
+            split(offset + index * stride, dims[:outer] + dims[outer + 1 :])
 
-    split(half.storage_offset() * element, list(zip(half.shape[1:], half.stride()[1:])))
+    split(0, list(zip(shape[1:], strides[1:])))
+    width = sum(run_width for _, run_width in out)
+    if shape[0] > 1 and len(out) == 1 and strides[0] < width:
+        raise TypeError(
+            f"tensor of shape {shape}: blocks of {width} bytes stand {strides[0]} bytes apart (they overlap)"
+        )
     return out
 
 
-def _dense(dims: list[tuple[int, int]]) -> bool:
-    expected = 1
+def _dense(dims: list[tuple[int, int]], element: int) -> bool:
+    """Do dims (size, byte stride) cover one run of elements without a gap?"""
+    expected = element
     for size, stride in sorted(dims, key=lambda dim: dim[1]):
         if stride != expected:
             return False
@@ -398,8 +461,11 @@ def _distinct_storages(tensors: Any) -> list[tuple[int, int]]:
     seen: dict[int, int] = {}
     for tensor in tensors:
         if isinstance(tensor, np.ndarray):
-            base = tensor.base if tensor.base is not None else tensor
-            address, size = base.ctypes.data, base.nbytes
+            base = tensor  # the array owning the memory (a view made by as_strided has a non-array base)
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            low, high = byte_bounds(base)
+            address, size = low, high - low
         else:
             storage = tensor.untyped_storage()
             address, size = storage.data_ptr(), storage.nbytes()

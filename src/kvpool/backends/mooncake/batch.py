@@ -265,7 +265,9 @@ class _Batch:
 def _base_address(array: Any) -> int:
     try:
         return _addressof(_from_buffer(array))  # a quarter of the cost of .ctypes.data
-    except TypeError:  # read-only
+    except TypeError:  # read-only, or rows that stand apart (a padded KV page: not C-contiguous)
+        if isinstance(array, np.ndarray):
+            return int(array.ctypes.data)
         return int(np.frombuffer(array, dtype=np.uint8).ctypes.data)
 
 

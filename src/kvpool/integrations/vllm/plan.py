@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,8 +46,17 @@ def spec_facts(spec: KVCacheSpec) -> SpecFacts:
         non_causal=bool(getattr(spec, "non_causal", False)),
         state_cache_mode=getattr(spec, "mamba_cache_mode", None),
         num_speculative_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
-        tokens_per_state=int(getattr(spec, "tokens_per_state", -1)),
+        tokens_per_state=tokens_per_state(spec),
     )
+
+
+def tokens_per_state(spec: KVCacheSpec) -> int | Fraction:
+    """The spec's `tokens_per_state` as vLLM states it: an int, or a Fraction below 1 (never truncated:
+    `int(Fraction(1, 4))` would read Whisper's several states per token as 0). -1 without the field."""
+    value = getattr(spec, "tokens_per_state", -1)
+    if isinstance(value, Fraction):
+        return int(value) if value.denominator == 1 else value
+    return int(value)
 
 
 def group_facts(spec: KVCacheSpec, model_dtype: object) -> GroupFacts:
