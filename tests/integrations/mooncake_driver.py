@@ -54,16 +54,20 @@ class CountingBackend:
             self.put_statuses.extend(status.name for status in statuses)
         return statuses
 
-    def put_linked(self, keys: Sequence[str], values: Sequence[Any], parents: Sequence[bytes | None]) -> Any:
-        """The save path's put where the pool takes chains (the embedded pool, for its policy): counted too."""
-        statuses = self.inner.put_linked(keys, values, parents)
-        with self._lock:
-            self.put_keys.extend(keys)
-            self.put_statuses.extend(status.name for status in statuses)
-        return statuses
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        attribute = getattr(self.inner, name)  # AttributeError where the inner pool lacks it
+        if name != "put_linked":
+            return attribute
+
+        def put_linked(keys: Sequence[str], values: Sequence[Any], parents: Sequence[bytes | None]) -> Any:
+            """The save path's put where the pool takes chains (the embedded pool's policy): counted too."""
+            statuses = attribute(keys, values, parents)
+            with self._lock:
+                self.put_keys.extend(keys)
+                self.put_statuses.extend(status.name for status in statuses)
+            return statuses
+
+        return put_linked
 
 
 def tp_model(namespace: str) -> tuple[Any, list[Any]]:
