@@ -122,6 +122,32 @@ def test_live_and_retired_bytes_never_exceed_capacity(ops: list[tuple[str, int]]
             tracker.acknowledge(sent)
         stats = pool.stats()
         assert stats.used_bytes <= pool.capacity_bytes, "live and retired chunks beyond the capacity"
+        assert pool.retire_floor_bytes <= pool.retire_limit_bytes <= pool.retire_cap_bytes
     tracker.take_report()
     tracker.acknowledge(10**9)
     assert pool.retired_bytes == 0, "every withdrawal acknowledged: nothing stays held"
+
+
+def test_the_reserve_grows_to_what_a_step_retires_so_saves_under_pressure_are_not_refused() -> None:
+    """A full pool, every step a prefill of 15 chunks (it evicts 15), acknowledged a step later (the
+    report leaves with the step's output): 30 chunks retired at once, against a reserve that starts at
+    an eighth of 112 (14). A fixed reserve refused 55% of these puts behind `vllm serve`."""
+    pool, tracker = _held_pool(112)
+    sent = [tracker.take_report().seq]  # type: ignore[union-attr]
+    refused = [0] * 40
+    for step in range(40):
+        for i in range(15):
+            refused[step] += _put(pool, tracker, 15 * step + i) is not Status.OK
+        assert pool.stats().used_bytes <= pool.capacity_bytes
+        report = tracker.take_report()
+        sent.append(report.seq if report is not None else sent[-1])
+        tracker.acknowledge(sent[-2])  # the step after: the scheduler absorbed the previous step's report
+    # while it grows, a few (memory is live or retired: nothing free until an acknowledgement), then none
+    assert sum(refused) <= 30 and not any(refused[10:]), f"refused per step {refused}: the reserve did not grow"
+    grown = pool.retire_limit_bytes
+    assert pool.retire_floor_bytes < grown <= pool.retire_cap_bytes
+    for _ in range(200):  # the pressure stops: every report acknowledged, the reserve gives back its growth
+        report = tracker.take_report()
+        tracker.acknowledge(report.seq if report is not None else sent[-1])
+        pool.release(0, [])
+    assert pool.retire_limit_bytes < grown

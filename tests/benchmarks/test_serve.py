@@ -105,6 +105,24 @@ def test_the_probe_pushes_prompts_out_of_the_engine_and_only_a_pool_brings_them_
             assert probe["evicted_cached_tokens"] == probe["evicted_pool_tokens"] == wanted, why
 
 
+def test_the_probe_counts_a_contract_hit_in_the_engine_s_own_hit_s_steps_and_an_async_one_a_step_more(
+    result: dict[str, Any],
+) -> None:
+    for probe in result["probe"]:
+        system = probe["system"]
+        if system not in serve_systems.KVPOOL_SYSTEMS + serve_systems.TIER_SYSTEMS:
+            assert not any(key.startswith("steps_") for key in probe), probe  # only kvpool's servers count steps
+            continue
+        why = (system, probe["round"], _nonzero(probe["kvpool_counters"]))
+        assert probe["steps_local"] >= 1 and probe["steps_miss"] >= 1, why
+        if system == "kvpool":  # DRAM on its one rank: every pool hit is a contract hit, loaded in-step
+            assert probe["steps_in_step"] == probe["steps_local"] and "steps_async" not in probe, why
+        else:  # Mooncake's reads and the disk tier's stay async: the engine waits a step for them
+            assert probe["steps_async"] >= probe["steps_local"] + 1 and "steps_in_step" not in probe, why
+    steps = [t for t in result["summary"]["targets"] if t["metric"] == "steps_in_step"]
+    assert [t["verdict"] for t in steps] == ["PASS"], steps
+
+
 def test_pools_are_smaller_than_the_working_set_yet_hold_a_probe_prompt(result: dict[str, Any]) -> None:
     workload = result["workload"]
     assert workload["pool_tokens"] < workload["working_set_tokens"]
@@ -186,6 +204,24 @@ def test_a_target_passes_or_fails_only_when_the_whole_interval_says_so() -> None
     assert mean_verdict([0.80, 0.82, 0.79, 0.81]) == "PASS"
     assert mean_verdict([1.20, 1.22, 1.19, 1.21]) == "FAIL"
     assert mean_verdict([0.7, 1.3, 0.8, 1.2]) == "INCONCLUSIVE"
+
+
+def test_a_pool_hit_is_judged_against_the_engine_s_own_hit_by_its_interval_and_its_estimate() -> None:
+    def verdicts(shares: list[float], steps: float = 1.0) -> dict[str, str]:
+        probe = [
+            {"system": "local", "round": r, "again_ms": 60.0 + r, "evicted_ms": 400.0} for r in range(len(shares))
+        ] + [
+            {"system": "kvpool", "round": r, "again_ms": 60.0, "evicted_ms": (60.0 + r) * share,
+             "steps_local": 1.0, "steps_in_step": steps}
+            for r, share in enumerate(shares)
+        ]  # fmt: skip
+        result = {"workload": {"concurrencies": []}, "systems": ["local", "kvpool"], "results": [], "probe": probe}
+        return {t["against_metric"]: t["verdict"] for t in serve_report.summarize(result)["targets"]}
+
+    assert verdicts([1.00, 1.01, 1.00, 1.01]) == {"again_ms": "PASS", "steps_local": "PASS"}
+    assert verdicts([1.03, 1.04, 1.03, 1.04])["again_ms"] == "FAIL"  # the interval under 1.05, the estimate over 1.02
+    assert verdicts([0.95, 1.10, 0.97, 1.08])["again_ms"] == "INCONCLUSIVE"
+    assert verdicts([1.0, 1.0, 1.0], steps=2.0)["steps_local"] == "FAIL"  # an async hit: a step more
 
 
 def test_an_unknown_system_is_named() -> None:

@@ -4,11 +4,15 @@ The hit contract (a chunk the scheduler offers is still readable when its load r
 (`hold_evictions`, the rank's pool tracker) makes every chunk that leaves the pool by eviction or
 removal *retire* instead of being freed. A retired chunk is gone for `exists`, `keys` and the
 listeners, but `get_into` still reads it. Live and retired chunks together never exceed
-`capacity_bytes`: with a holder, live chunks stay below capacity minus `retire_limit_bytes` (an
-eighth), the reserve retired chunks live in, and a put that would retire beyond it is refused
-(FULL). Every holder frees a chunk with `release` once the scheduler acknowledged the report that
-withdrew it; `clear` frees everything (a reset fences loads). A put of a retired key revives it
-without a copy (same key, same bytes).
+`capacity_bytes`: with a holder, live chunks stay below capacity minus `retire_limit_bytes`, the
+reserve retired chunks live in. The reserve follows what the engine retires between acknowledgements
+(a step's saves evict as much as they store): it starts at an eighth of capacity, grows at once when a
+put would retire past it (to at most half: past that a put is refused, FULL, a miss later), and shrinks
+back a sixteenth of its excess at each release that leaves it mostly empty. A fixed reserve smaller
+than a step's saves refused most puts under pressure (one 15-chunk prefill a step against a 14-chunk
+reserve: 55% refused). Every holder frees a chunk with `release` once the scheduler acknowledged the
+report that withdrew it; `clear` frees everything (a reset fences loads). A put of a retired key
+revives it without a copy (same key, same bytes).
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from kvpool.core.errors import ConfigError
 from kvpool.core.policy import LRUPolicy, PoolPolicy, make_policy
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
-# under the hit contract, this fraction of capacity is kept for chunks awaiting acknowledgement: what a few
-# engine steps' puts evict while their reports travel to the scheduler and its acknowledgement back
+# under the hit contract, the reserve for chunks awaiting acknowledgement (what the engine's saves evict
+# while their reports travel to the scheduler and its acknowledgement back): at least capacity // 8, at most
+# capacity // 2, sized in between by what was retired
 RETIRE_LIMIT_FRACTION = 8
+RETIRE_CAP_FRACTION = 2
+RETIRE_GROWTH = 1.25  # the reserve's growth when a put would retire past it
+RETIRE_SHRINK = 16  # at a release that leaves the reserve mostly empty, it gives back 1/16 of its excess
 
 
 class MemoryBackend:
@@ -66,7 +74,8 @@ class MemoryBackend:
         self._next_holder = 0
         self.retired_bytes = 0
         # the bound on retired bytes, inside `capacity_bytes`: a put that would retire more is refused
-        self.retire_limit_bytes = max(1, capacity_bytes // RETIRE_LIMIT_FRACTION)
+        self.retire_limit_bytes = self.retire_floor_bytes = max(1, capacity_bytes // RETIRE_LIMIT_FRACTION)
+        self.retire_cap_bytes = max(self.retire_floor_bytes, capacity_bytes // RETIRE_CAP_FRACTION)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -260,7 +269,7 @@ class MemoryBackend:
         may take without cutting a chain; the put is refused)."""
         if self.policy is None:
             return next(iter(self._items))
-        key = self.policy.victim(self._items.__contains__)
+        key = self.policy.victim(self._items.__contains__, self._pending.__contains__)
         return key if key is None or key in self._items else next(iter(self._items))
 
     def _reserve_slots(
@@ -312,29 +321,9 @@ class MemoryBackend:
             self._used += array.size
             self._items[key] = array
             return Status.OK
-        # under the hit contract a reserve of capacity holds the retired chunks: live + retired <= capacity
-        # (retired bytes past the reserve, from explicit removals, shrink the live share further)
-        reserve = max(self.retire_limit_bytes, self.retired_bytes) if self._holders else 0
-        live_limit = self.capacity_bytes - reserve
-        if size == 0 or size > live_limit:
+        if size == 0 or not self._make_room(size, stats):
             stats.put_failures += 1
-            return Status.FULL if size else Status.ERROR
-        while self._used + size > live_limit and self._items:
-            key_out = self._victim()
-            if key_out is None:
-                break  # nothing the policy may evict: refused (FULL)
-            oldest = self._items[key_out]
-            if self._holders and self.retired_bytes + oldest.size > self.retire_limit_bytes:
-                break  # the reserve is full of chunks awaiting acknowledgement: refuse rather than exceed it
-            evicted = self._items.pop(key_out)
-            if self.policy is not None:
-                self.policy.evicted(key_out)
-            self._retire(key_out, evicted)
-            self._gone.append(key_out)
-            stats.evictions += 1
-        if self._used + size > live_limit:
-            stats.put_failures += 1
-            return Status.FULL  # the rest is held by puts still copying, or awaits acknowledgement
+            return Status.FULL if size else Status.ERROR  # held by puts still copying, or awaiting acknowledgement
         self._used += size
         self._pending[key] = size
         reusable = self._free.get(size) if take_free else None
@@ -345,6 +334,41 @@ class MemoryBackend:
             self._free.clear()
             self._free_bytes = 0
         return None
+
+    def _make_room(self, size: int, stats: BackendStats) -> bool:
+        """Under the lock: evict until `size` more live bytes fit. Under the hit contract a reserve holds
+        the retired chunks (live + retired <= capacity; retired bytes past the reserve, from explicit
+        removals, shrink the live share further); a put that would retire past the reserve grows it."""
+        while True:
+            reserve = max(self.retire_limit_bytes, self.retired_bytes) if self._holders else 0
+            live_limit = self.capacity_bytes - reserve
+            if size > live_limit:
+                return False
+            while self._used + size > live_limit and self._items:
+                key_out = self._victim()
+                if key_out is None:
+                    return False  # nothing the policy may evict: refused (FULL)
+                if self._holders and self.retired_bytes + self._items[key_out].size > self.retire_limit_bytes:
+                    break  # the reserve is full of chunks awaiting acknowledgement
+                evicted = self._items.pop(key_out)
+                if self.policy is not None:
+                    self.policy.evicted(key_out)
+                self._retire(key_out, evicted)
+                self._gone.append(key_out)
+                stats.evictions += 1
+            if self._used + size <= live_limit:
+                return True
+            if not self._holders or self.retire_limit_bytes >= self.retire_cap_bytes:
+                return False  # held by puts still copying, or the reserve can grow no more
+            limit = self.retire_limit_bytes
+            grown = max(int(limit * RETIRE_GROWTH), self.retired_bytes + size, limit + 1)
+            self.retire_limit_bytes = min(self.retire_cap_bytes, grown)
+
+    def _shrink_reserve(self) -> None:
+        """Under the lock, after a release: a reserve mostly empty gives back part of what it grew by."""
+        excess = self.retire_limit_bytes - self.retire_floor_bytes
+        if excess > 0 and self.retired_bytes * 4 < self.retire_limit_bytes:
+            self.retire_limit_bytes -= max(1, excess // RETIRE_SHRINK)
 
     def hold_evictions(self) -> int:
         """Register a holder: from now on a chunk leaving the pool retires until this holder (and every
@@ -364,6 +388,7 @@ class MemoryBackend:
                 entry = self._retired.get(key)
                 if entry is not None and self._unhold(key, entry, token):
                     freed += 1
+            self._shrink_reserve()
         return freed
 
     def drop_holder(self, token: int) -> None:

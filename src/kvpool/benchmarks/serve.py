@@ -54,6 +54,7 @@ from kvpool.benchmarks import serve_systems
 from kvpool.benchmarks.checkpoint import Checkpoint, Progress
 from kvpool.benchmarks.serve_report import plot, summarize, to_markdown
 from kvpool.benchmarks.stats import rotation
+from kvpool.scheduler.scheduler_core import FIRST_TOKEN_KINDS
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
@@ -560,9 +561,27 @@ def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[s
         "evicted_pool_tokens": min(cached["evicted_from_pool"]),  # of those, the tokens a connector loaded
         "evicted_pool_tokens_each": cached["evicted_from_pool"],
         # kvpool's own counters over the probe: why a prompt came back short (a full pool, a slow lookup)
-        "kvpool_counters": _counter_deltas(counters_before, _kvpool_counters(server)),
+        "kvpool_counters": (counters := _counter_deltas(counters_before, _kvpool_counters(server))),
+        **first_token_steps(counters),
         "pool_log": _pool_log(server),
     }
+
+
+def first_token_steps(counters: dict[str, float]) -> dict[str, float]:
+    """Mean engine steps from admission to first token per kind of hit (`steps_<kind>`), from kvpool's
+    counters over the probe; a kind no request had is left out. Steps do not drift with the machine:
+    a contract hit takes as many as the engine's own hit, an async one a step more."""
+    out: dict[str, float] = {}
+    for kind in FIRST_TOKEN_KINDS:
+        requests = _counter(counters, f"first_tokens_{kind}")
+        if requests:
+            out[f"steps_{kind}"] = round(_counter(counters, f"first_token_steps_{kind}") / requests, 3)
+    return out
+
+
+def _counter(counters: dict[str, float], name: str) -> float:
+    """A counter's value, whichever name the exposition gave it (Prometheus adds `_total`)."""
+    return counters.get(f"{name}_total", counters.get(name, 0.0))
 
 
 def _pool_log(server: OpenAIServer) -> list[str]:

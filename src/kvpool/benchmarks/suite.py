@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.benchmarks.serve import Workload as ServeWorkload
+from kvpool.benchmarks.trace import Workload as TraceWorkload
+
 RESULTS_DIR = Path("benchmarks") / "results"
 REPORT = Path("BENCHMARKS.md")
 # what each result records of where it was measured: two machines of one CPU name and core count can differ
@@ -91,6 +94,16 @@ BENCHES: tuple[Bench, ...] = (
           "serve", {}),
     Bench("trace", "The Mooncake conversation trace behind vLLM's OpenAI server", "kvpool bench trace --json",
           "trace", {}, "trace_report"),
+    Bench("serve-in-step", "A pool hit in the step that schedules it: kvpool, the engine's own hit, vLLM's connector",
+          "kvpool bench serve --systems local,vllm-mooncake-embedded,kvpool --rounds 5 --json", "serve",
+          {"all": {"systems": ("local", "vllm-mooncake-embedded", "kvpool"), "try_unsupported": False,
+                   "workload": ServeWorkload(rounds=5)}}),
+    Bench("trace-serial", "The trace one request at a time: does a hit, on Mooncake too, pay for itself?",
+          "kvpool bench trace --concurrencies 1 --rounds 5 --requests 30 --pool-fraction 0.75 "
+          "--systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "trace",
+          {"all": {"systems": ("local", "kvpool", "kvpool-mooncake", "vllm-mooncake-embedded"),
+                   "workload": TraceWorkload(requests=30, concurrencies=(1,), rounds=5, pool_fraction=0.75)}},
+          "trace_report"),
     Bench("shared", "Two servers sharing one Mooncake pool: B's hits on what A stored",
           "kvpool bench shared --json", "shared", {}),
     Bench("trace-hits", "The Mooncake conversation trace: hit rates of the embedded pool's eviction",
@@ -132,7 +145,7 @@ def run(
         args = bench.arguments(tiny, long, quick)
         began = time.perf_counter()
         partial = out_dir / f"{bench.name}{PARTIAL_SUFFIX}"
-        if bench.name == "serve":
+        if bench.module == "serve":
             stamp = {key: machine[key] for key in ("commit", *MEASURED)}
             kept = {"checkpoint": partial, "stamp": stamp} if long else {}
             result = module.run(**args, **kept, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
@@ -148,7 +161,7 @@ def run(
         reporter.plot(result, out_dir / f"{bench.name}.png")
         partial.unlink(missing_ok=True)  # its rounds are in the result now
         verdicts[bench.name] = _passed(result)
-        if bench.name != "serve":
+        if bench.module != "serve":
             tick(f"{bench.name}: done", 1)
     if report is not None:
         update_report(report, benches, out_dir, machine, tiny)
@@ -166,7 +179,7 @@ def units(benches: Sequence[Bench], tiny: bool, long: bool = False, quick: bool 
     """The progress total: one unit per bench, the serve bench one per server phase."""
     total = 0
     for bench in benches:
-        if bench.name == "serve":
+        if bench.module == "serve":
             module, _ = bench.load()
             args = bench.arguments(tiny, long, quick)
             total += module.steps(args["systems"], args["workload"], args["try_unsupported"])

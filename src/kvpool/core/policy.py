@@ -7,23 +7,24 @@ What a policy is told, all a pool sees of a prompt:
 - `read(keys, sizes)`: the chunks a load read (a hit), head to tail;
 - `put(keys, sizes, present, free_bytes)`: a save, head to tail; the pool asks which of the chunks it
   lacks to store (admission) and touches those it holds;
-- `victim(held)`: the chunk to evict next, and `evicted(key)` once the pool took it (a pool may keep
-  the candidate after all: its reserve for chunks awaiting acknowledgement is full).
+- `victim(held, writing)`: the chunk to evict next, and `evicted(key)` once the pool took it (a pool may
+  keep the candidate after all: its reserve for chunks awaiting acknowledgement is full).
 
 Invariants every policy here keeps:
-- Chains stay whole. Eviction only takes a chain's leaf (a chunk no held chunk names as parent), and
-  admission never stores a chunk whose parent the same put declined: a prefix chain never loses its
-  head while its tail stays. A parent the pool was never given binds nothing: a chunk whose parent is
-  not stored by design (a sliding window's, a state group's, a TP rank's strided puts) is stored as any
-  other. A put's chunk whose parent the pool holds keeps it: if only parents are left, the put is
-  refused (FULL) rather than cut a chain.
+- Chains stay whole. Eviction only takes a chain's leaf (a chunk no held chunk names as parent, whichever
+  of the two was stored first), and admission never stores a chunk whose parent the same put declined:
+  a prefix chain never loses its head while its tail stays. A parent the pool was never given binds
+  nothing: a chunk whose parent is not stored by design (a sliding window's, a state group's, a TP
+  rank's strided puts) is stored as any other. A put's chunk whose parent the pool holds keeps it: if
+  only parents are left, the put is refused (FULL) rather than cut a chain.
 - The pool, not the policy, is the record of what is stored: whatever a policy believes, `victim` only
   names a key `held` says the pool holds (a key the pool removed, cleared or retired meanwhile is
-  dropped from the policy when met), and the pool announces every key that leaves it to its listeners
-  (the scheduler's index and KV events) exactly as before, whatever the policy decided. A declined
-  chunk is never stored, never reported stored.
+  dropped from the policy when met; a key a put reserved and is still copying, `writing`, is neither
+  named nor dropped), and the pool announces every key that leaves it to its listeners (the
+  scheduler's index and KV events) exactly as before, whatever the policy decided. A declined chunk is
+  never stored, never reported stored.
 - Bounded memory: a policy remembers chunks it does not hold (its ghost) up to `GHOST_FACTOR` times the
-  chunks it holds.
+  chunks it holds, and the held children of chunks it does not hold (at most one count per held chunk).
 
 Policies (`POLICY_NAMES`):
 - `lru`: the pool's own least recently used order, every chunk admitted (kvpool before policies).
@@ -77,6 +78,11 @@ class PolicyCounters:
     ledger_hits: dict[str, float] = field(default_factory=dict)
 
 
+def _nothing(key: str) -> bool:
+    """No key: the default `writing` (no put is copying)."""
+    return False
+
+
 @runtime_checkable
 class PoolPolicy(Protocol):
     """Admission and eviction for one pool. Every method runs under the pool's lock."""
@@ -106,9 +112,11 @@ class PoolPolicy(Protocol):
         hit promoted: it was read)."""
         ...
 
-    def victim(self, held: Callable[[str], bool]) -> str | None:
+    def victim(self, held: Callable[[str], bool], writing: Callable[[str], bool] = _nothing) -> str | None:
         """The key to evict now, one `held` says the pool holds; None: none can go without cutting a chain
-        (the put is refused, FULL). The `lru` policy's None: the pool's own least recently used."""
+        (the put is refused, FULL). `writing`: whether a put reserved a key and is still copying it (not in
+        the pool yet, not gone: it cannot go now and stays in the record; by default none). The `lru`
+        policy's None: the pool's own least recently used."""
         ...
 
     def evicted(self, key: str) -> None:
@@ -162,7 +170,7 @@ class LRUPolicy:
     ) -> list[bool]:
         return [True] * len(keys)
 
-    def victim(self, held: Callable[[str], bool]) -> str | None:
+    def victim(self, held: Callable[[str], bool], writing: Callable[[str], bool] = _nothing) -> str | None:
         return None
 
     def evicted(self, key: str) -> None:
@@ -185,7 +193,7 @@ class _Meta:
         self.extended = False  # some chunk names it as parent
         self.last = 0  # tick of the last sighting
         self.parent = parent  # ROOT, a key, or None (not known)
-        self.kids = 0  # held chunks naming it as parent
+        self.kids = 0  # held chunks naming it as parent, while it is held
         self.size = size
         self.cls = -1  # its class while held, -1 in the ghost
 
@@ -210,6 +218,9 @@ class ChainPolicy:
         self._ghost: OrderedDict[str, None] = OrderedDict()
         self._links: dict[str, str | None] = {}  # parents told by `link`, taken by the next put of the key
         self._fresh: set[str] = set()  # what the latest put admitted: the pool is still writing it
+        # per chunk not held, the held chunks naming it as parent (stored before it, or it left before
+        # them): its `kids` once it is stored
+        self._orphans: dict[str, int] = {}
         self._tick = 0
         self._held = 0  # chunks held, as this policy believes
         self._held_bytes = 0
@@ -292,7 +303,7 @@ class ChainPolicy:
         self._tick += len(keys)
         return admit
 
-    def victim(self, held: Callable[[str], bool]) -> str | None:
+    def victim(self, held: Callable[[str], bool], writing: Callable[[str], bool] = _nothing) -> str | None:
         self._accrue()
         if self._tick >= self._reweigh_at:
             self._reweigh()
@@ -300,7 +311,7 @@ class ChainPolicy:
         best_score = -1.0
         now = self._tick
         for cls in range(_CLASSES):
-            key = self._oldest_leaf(cls, held)
+            key = self._oldest_leaf(cls, held, writing)
             if key is None:
                 continue
             age = now - self._meta[key].last + 1
@@ -321,6 +332,7 @@ class ChainPolicy:
         self._meta.clear()
         self._ghost.clear()
         self._links.clear()
+        self._orphans.clear()
         self._count = [0] * _CLASSES
         self._held = self._held_bytes = 0
 
@@ -368,6 +380,9 @@ class ChainPolicy:
             entry.size = size
         entry.seen += 1
         entry.last = self._tick
+        entry.kids = self._orphans.pop(key, 0)  # children stored before it: not a leaf (not evictable)
+        if entry.kids:
+            entry.extended = True
         self._held += 1
         self._held_bytes += size
         self._place(key, entry)
@@ -376,6 +391,8 @@ class ChainPolicy:
             up = self._meta.get(above)
             if up is not None and up.cls >= 0:
                 up.kids += 1  # no longer a leaf: not evictable until its last held child goes
+            else:  # its parent is not held: counted for when it is stored
+                self._orphans[above] = self._orphans.get(above, 0) + 1
 
     def _remember(self, key: str, size: int, parent: str | None, entry: _Meta | None) -> None:
         """Seen, not stored: into the ghost."""
@@ -412,26 +429,35 @@ class ChainPolicy:
             heap[:] = [(last, name) for name, last in live.items()]
             heapq.heapify(heap)
 
-    def _oldest_leaf(self, cls: int, held: Callable[[str], bool]) -> str | None:
+    def _oldest_leaf(self, cls: int, held: Callable[[str], bool], writing: Callable[[str], bool]) -> str | None:
         """The class's least recently sighted leaf; a chunk the pool no longer holds is forgotten on the
-        way. None when that is what the latest put admitted (not in the pool yet: being written)."""
+        way, one another put is still copying (`writing`) passed over and kept. None when that is what the
+        latest put admitted (not in the pool yet: being written)."""
         meta = self._meta
         heap = self._heaps[cls]
         fresh = self._fresh
-        while heap:
-            last, key = heap[0]
-            entry = meta.get(key)
-            if entry is None or entry.cls != cls or entry.last != last or entry.kids > 0:
-                heapq.heappop(heap)  # stale: sighted since, another class, a parent now, or gone
-                continue
-            if key in fresh:
-                return None
-            if not held(key):
-                heapq.heappop(heap)
-                self._unhold(key)
-                continue
-            return key
-        return None
+        copying: list[tuple[int, str]] = []
+        try:
+            while heap:
+                last, key = heap[0]
+                entry = meta.get(key)
+                if entry is None or entry.cls != cls or entry.last != last or entry.kids > 0:
+                    heapq.heappop(heap)  # stale: sighted since, another class, a parent now, or gone
+                    continue
+                if key in fresh:
+                    return None
+                if writing(key):
+                    copying.append(heapq.heappop(heap))  # reserved, not published: not evictable yet
+                    continue
+                if not held(key):
+                    heapq.heappop(heap)
+                    self._unhold(key)
+                    continue
+                return key
+            return None
+        finally:
+            for item in copying:
+                heapq.heappush(heap, item)
 
     def _unhold(self, key: str) -> None:
         entry = self._meta[key]
@@ -439,16 +465,25 @@ class ChainPolicy:
             self._accrue()
             self._count[entry.cls] -= 1
             entry.cls = -1
+            if entry.kids:  # left before its held children (removed): theirs again once it is stored
+                self._orphans[key] = entry.kids
             entry.kids = 0
             self._held -= 1
             self._held_bytes -= entry.size
             above = entry.parent
             if above is not None and above != ROOT:
                 up = self._meta.get(above)
-                if up is not None and up.cls >= 0 and up.kids > 0:
-                    up.kids -= 1
-                    if up.kids == 0:  # a leaf again
-                        self._push(above, up)
+                if up is not None and up.cls >= 0:
+                    if up.kids > 0:
+                        up.kids -= 1
+                        if up.kids == 0:  # a leaf again
+                            self._push(above, up)
+                else:
+                    orphans = self._orphans.get(above, 0)
+                    if orphans > 1:
+                        self._orphans[above] = orphans - 1
+                    else:
+                        self._orphans.pop(above, None)
         self._to_ghost(key)
 
     def _to_ghost(self, key: str) -> None:
@@ -561,8 +596,8 @@ class AdaptivePolicy:
         self._observe(keys, sizes)
         return self._main.put(keys, sizes, present, free_bytes, held, admit_all)
 
-    def victim(self, held: Callable[[str], bool]) -> str | None:
-        return self._main.victim(held)
+    def victim(self, held: Callable[[str], bool], writing: Callable[[str], bool] = _nothing) -> str | None:
+        return self._main.victim(held, writing)
 
     def evicted(self, key: str) -> None:
         self._main.evicted(key)

@@ -189,17 +189,46 @@ def bench_trace_hits(
     no_fail: NoFail = False,
     capacities: Annotated[
         str, typer.Option(help="pool capacities as shares of the trace's distinct blocks, comma separated")
-    ] = "0.01,0.05,0.1,0.25",
-    limit: Annotated[int, typer.Option(help="the trace's first requests only (0: all 12,031)", min=0)] = 0,
+    ] = "0.01,0.02,0.05,0.1,0.2",
+    limit: Annotated[int, typer.Option(help="the trace's first requests only (0: all of them)", min=0)] = 0,
+    trace: Annotated[
+        str | None, typer.Option("--trace", help="a trace in the Mooncake format (default: the shared one)")
+    ] = None,
+    policies: Annotated[
+        str, typer.Option(help="the pool's policies replayed, comma separated (lru always)")
+    ] = "adaptive,lru,chain-lru,weighted,second-sight",
+    engine_share: Annotated[
+        float, typer.Option(help="the engine's prefix cache in front, a share of the distinct blocks (0: none)")
+    ] = 0.01,
+    derived: Annotated[
+        str, typer.Option(help="derived traces also replayed: second-half, alternate (comma separated; '' none)")
+    ] = "second-half,alternate",
+    disk: Annotated[bool, typer.Option("--disk/--no-disk", help="the default policy with its disk tier below")] = True,
+    workers: Annotated[int, typer.Option(help="replays at once, in processes (0: one per CPU core)", min=0)] = 0,
 ) -> None:
-    """Hit rates over the whole Mooncake conversation trace: the embedded pool's eviction, plain LRU, Belady's MIN."""
+    """Hit rates over a trace (by default the Mooncake conversation trace): the embedded pool under each of
+    its policies, plain LRU, Belady's MIN; alone, behind an engine cache, on derived traces."""
+    from pathlib import Path
+
     from kvpool.benchmarks import trace_hits
 
+    path = Path(trace) if trace else trace_hits.TRACE
+    if not path.is_file():
+        raise typer.BadParameter(f"{path}: no such file", param_hint="--trace")
     try:
         shares = [float(part) for part in capacities.split(",") if part.strip()]
-        result = trace_hits.run(capacities=shares, limit=limit or None)
+        result = trace_hits.run(
+            capacities=shares,
+            limit=limit or None,
+            trace=path,
+            tiered=disk,
+            policies=[part.strip() for part in policies.split(",") if part.strip()],
+            engine_share=engine_share,
+            derived=[part.strip() for part in derived.split(",") if part.strip()],
+            workers=workers,
+        )
     except ValueError as exc:
-        raise typer.BadParameter(f"--capacities {capacities!r}: {exc}") from exc
+        raise typer.BadParameter(str(exc)) from exc
     emit(result, as_json, trace_hits.print_table, no_fail)
 
 
@@ -211,6 +240,9 @@ def bench_trace(
     concurrencies: Annotated[str, typer.Option(help="client concurrencies, comma separated")] = "4",
     rounds: Annotated[int, typer.Option(help="interleaved rounds (intervals need >= 2; 95% ones >= 6)", min=1)] = 3,
     requests: Annotated[int, typer.Option(help="requests of the trace per round", min=1)] = 60,
+    pool_fraction: Annotated[
+        float, typer.Option(help="every pool's capacity, as a share of a round's distinct blocks", min=0.01)
+    ] = 0.25,
     speedup: Annotated[
         float, typer.Option(help="replay the trace's arrival times this many times faster (0: closed loop)", min=0)
     ] = 0.0,
@@ -233,6 +265,7 @@ def bench_trace(
             concurrencies=wanted,
             rounds=rounds,
             requests=requests,
+            pool_fraction=pool_fraction,
             speedup=speedup or None,
             engine_cache_tokens=cache,
             dtype=dtype,

@@ -42,6 +42,15 @@ class SchedulerConfig:
     in_step_bytes_per_token: float = 0.0  # one rank's KV bytes a token, all groups (for the budget)
 
 
+# the kinds of hit a request's steps to first token are counted under (`SchedulerStats.first_token_steps_*`)
+FIRST_TOKEN_KINDS = {
+    "in_step": "a pool hit loaded in-step",
+    "async": "a pool hit the engine waited a step for",
+    "local": "the engine's own prefix-cache hit",
+    "miss": "no hit",
+}
+
+
 @dataclass
 class SchedulerStats:
     lookups: int = 0

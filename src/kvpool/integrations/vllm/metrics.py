@@ -47,6 +47,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvpool.scheduler.scheduler_core import FIRST_TOKEN_KINDS
+
 __all__ = [
     "ALL_GAUGES",
     "BACKEND_COUNTERS",
@@ -113,13 +115,6 @@ BACKEND_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("disk_corrupt", "disk_corrupt", "Disk tier files that failed their checks (removed, recomputed)."),
     MetricSpec("disk_late_reads", "disk_late_reads", "Disk tier reads past disk_read_timeout_ms (recomputed)."),
 )
-# the kinds of hit a request's steps to first token are counted under (SchedulerStats.first_token_steps_*)
-FIRST_TOKEN_KINDS = {
-    "in_step": "a pool hit loaded in-step",
-    "async": "a pool hit the engine waited a step for",
-    "local": "the engine's own prefix-cache hit",
-    "miss": "no hit",
-}
 SCHEDULER_COUNTERS: tuple[MetricSpec, ...] = (
     MetricSpec("lookups", "lookups", "Pool lookups made for new or preempted requests."),
     MetricSpec("lookup_hit_tokens", "lookup_hit_tokens", "Prompt tokens the pool lookups found."),
