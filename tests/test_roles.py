@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -200,3 +201,25 @@ def test_the_core_modules_import_no_engine() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_pool_under_eight_engine_steps_of_saves_loads_every_hit_async_on_every_role() -> None:
+    """The hit contract's reserve holds what two or three steps of saves evict: a pool smaller than
+    eight of the engine's largest steps loads every hit async (scheduler: no in-step budget; worker: no
+    holder), a larger one takes in-step hits and holds what leaves it."""
+    step_tokens, token_bytes = 2048, 8192  # 16 MiB a step: vllm serve's CPU default, the serve bench's model
+    for capacity, contract in ((56 << 20, False), (128 << 20, True)):
+        config = KVPoolConfig(capacity_bytes=capacity, pool_name=f"contract-{capacity}")
+        plan = replace(plan_for(config), step_tokens=step_tokens, bytes_per_token=token_bytes)
+        assert plan.holds_contract(capacity) is contract
+        scheduler = scheduler_role(config, plan)
+        assert (scheduler.core.config.in_step_bytes > 0) is contract
+        worker = worker_role(config, plan)
+        try:
+            assert isinstance(worker.backend, MemoryBackend)
+            assert bool(worker.backend._holders) is contract
+        finally:
+            worker.close()
+            drop_shared_memory_pools()
+    unknown = plan_for(KVPoolConfig())  # no engine sizes known (a plan built without vLLM): the settings decide
+    assert unknown.holds_contract(1 << 20)

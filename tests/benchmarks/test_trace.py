@@ -235,7 +235,7 @@ def test_the_summary_judges_like_for_like_and_local_on_paired_rounds(result: dic
     summary = result["summary"]
     judged = [t for t in summary["targets"] if t["verdict"] is not None]
     assert {(t["system"], t["against"]) for t in judged} == {("kvpool", "local")}  # the tiny size's two systems
-    assert {t["metric"] for t in judged} == {"ttft_mean_ms", "ttft_p50_ms", "output_tok_s"}
+    assert {t["metric"] for t in judged} == {"ttft_mean_ms", "ttft_p50_ms", "output_tok_s", "duration_s"}
     for target in judged:
         interval = target["ratio"]
         assert interval["low"] <= interval["estimate"] <= interval["high"] and interval["rounds"] == 2, target

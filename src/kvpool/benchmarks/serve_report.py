@@ -195,11 +195,9 @@ def probe_cells(result: dict[str, Any]) -> dict[str, Any]:
     for system in result["systems"]:
         probes = [p for p in result["probe"] if p["system"] == system]
         if probes:
-            out[system] = {
-                key: spread([p[key] for p in probes]).as_dict()
-                for key in (*PROBE_FIGURES, *STEP_FIGURES)
-                if all(key in p for p in probes)  # steps: only kvpool's servers count them
-            }
+            figures = {key: [p[key] for p in probes if key in p] for key in (*PROBE_FIGURES, *STEP_FIGURES)}
+            # steps: only kvpool's servers count them, a kind of hit only in the rounds that had one
+            out[system] = {key: spread(values).as_dict() for key, values in figures.items() if values}
     return out
 
 

@@ -32,7 +32,7 @@ from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
 from kvpool.core.config import KVPoolConfig
-from kvpool.core.plan import ModelPlan
+from kvpool.core.plan import CONTRACT_STEPS, ModelPlan
 from kvpool.scheduler.index import PoolIndex
 from kvpool.scheduler.remote_events import RemoteEvents
 from kvpool.scheduler.scheduler_core import Exists, Healthy, SchedulerConfig, SchedulerCore
@@ -127,13 +127,29 @@ def scheduler_role(
             lookup_timeout_s=config.lookup_timeout_s,
             lookup_wait_s=config.lookup_wait_ms / 1000,
             drop_last_hit_block=plan.drop_last_hit_block,
-            in_step_bytes=int(config.load_in_step_bytes) if config.in_step_loads() else 0,
+            in_step_bytes=int(config.load_in_step_bytes) if in_step_loads(config, plan) else 0,
             in_step_bytes_per_token=plan.bytes_per_token,
         ),
         healthy=healthy,
         index=index,
     )
     return SchedulerRole(core, index, backend, events)
+
+
+def in_step_loads(config: KVPoolConfig, plan: ModelPlan) -> bool:
+    """Contract hits load in-step: the settings allow it (`KVPoolConfig.in_step_loads`) and the pool is
+    large enough for the contract's reserve (`ModelPlan.holds_contract`); the scheduler and every
+    worker decide alike, from the same settings and plan."""
+    if not config.in_step_loads():
+        return False
+    if plan.holds_contract(int(config.capacity_bytes)):
+        return True
+    log.info(
+        "kvpool: capacity_bytes %d is under %d engine steps of saves (%d tokens of %.0f bytes): every pool hit "
+        "loads async (the hit contract's reserve would take too much of the pool)",
+        int(config.capacity_bytes), CONTRACT_STEPS, plan.step_tokens, plan.bytes_per_token,
+    )  # fmt: skip
+    return False
 
 
 def _assume_disk_contents(index: PoolIndex, config: KVPoolConfig, plan: ModelPlan) -> None:
@@ -201,7 +217,7 @@ def worker_role(
         backend.add_listener(tracker.dropped)
         if isinstance(backend, TieredPool):
             backend.add_tier_listener(tracker.moved)  # chunks between DRAM and disk: their events' medium
-        elif config.in_step_loads() and plan.coordinator.resumes_at_failed_chunk:
+        elif in_step_loads(config, plan) and plan.coordinator.resumes_at_failed_chunk:
             tracker.hold(backend, backend.hold_evictions())  # the hit contract: in-step loads cannot miss
     elif report_puts:
         tracker = PutTracker(plan.rank, [p.keys for p in placements])

@@ -27,6 +27,9 @@ class GroupPlacement:
     put_step: int = 1
     put_step_rank: int = 0
 
+# the hit contract needs a DRAM pool of at least this many engine steps of saves (`ModelPlan.holds_contract`)
+CONTRACT_STEPS = 8
+
 
 @dataclass
 class ModelPlan:
@@ -45,6 +48,16 @@ class ModelPlan:
     drop_last_hit_block: bool = False  # a pool hit ends one boundary earlier, as the engine's own hits do
     dp_rank: int = 0  # the data-parallel engine: each has its own disk tier directories
     bytes_per_token: float = 0.0  # one rank's KV bytes a token, every group (the in-step budget's unit)
+    step_tokens: int = 0  # the most tokens an engine step computes (vLLM's max_num_batched_tokens; 0: unknown)
+
+    def holds_contract(self, capacity_bytes: int) -> bool:
+        """Whether a rank's DRAM pool is large enough for the hit contract: its reserve holds what saves
+        evict between a report and its acknowledgement, up to two or three engine steps of saves, so
+        a pool under `CONTRACT_STEPS` steps of the engine's largest saves would give the contract a
+        large share of its capacity (behind `vllm serve`, a 56 MiB pool beside 16 MiB steps lost half
+        its live capacity and its hits to it). Such a pool loads every hit async. Unknown sizes: yes."""
+        step_bytes = self.step_tokens * self.bytes_per_token
+        return step_bytes <= 0 or capacity_bytes >= CONTRACT_STEPS * step_bytes
 
     @property
     def shard(self) -> int:

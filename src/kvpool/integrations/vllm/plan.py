@@ -161,7 +161,10 @@ def drops_eagle_block(vllm_config: VllmConfig) -> bool:
 
 def plan_model(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVPoolConfig) -> ModelPlan:
     plan = build_plan(engine_facts(vllm_config, kv_cache_config, config.weights_version), config)
-    return dataclasses.replace(plan, bytes_per_token=rank_bytes_per_token(kv_cache_config, plan.pp_size))
+    step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+    return dataclasses.replace(
+        plan, bytes_per_token=rank_bytes_per_token(kv_cache_config, plan.pp_size), step_tokens=step_tokens
+    )
 
 
 def rank_bytes_per_token(kv_cache_config: KVCacheConfig, pp_size: int) -> float:
