@@ -73,7 +73,8 @@ class MemoryBackend:
         self._holders: set[int] = set()
         self._next_holder = 0
         self.retired_bytes = 0
-        # the bound on retired bytes, inside `capacity_bytes`: a put that would retire more is refused
+        # the reserve for retired bytes, inside `capacity_bytes`: between its floor and cap, grown by puts
+        # that would retire past it (`_make_room`), shrunk at releases (`_shrink_reserve`)
         self.retire_limit_bytes = self.retire_floor_bytes = max(1, capacity_bytes // RETIRE_LIMIT_FRACTION)
         self.retire_cap_bytes = max(self.retire_floor_bytes, capacity_bytes // RETIRE_CAP_FRACTION)
 
