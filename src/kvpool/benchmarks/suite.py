@@ -36,6 +36,12 @@ MEASURED = ("date", "cpu", "cores", "memory_gib", "vector", "python_ns")
 # `--long`: the serve bench keeps its finished rounds here (`checkpoint.py`), and a run cut short is
 # taken up by the next `kvpool bench all --long` (its rounds take longer than a session)
 PARTIAL_SUFFIX = ".partial.json"
+# serve-in-step's pools hold the hit contract (`ModelPlan.holds_contract`: 8 steps of vLLM's 2048-token
+# server steps at the bench model's 8 KiB a token); a smaller one would load every kvpool hit async
+IN_STEP_POOL_BYTES = 128 << 20
+# trace-serial's engine holds one request and 8 blocks, as an engine whose pool is several times its own
+# cache: at 4 prompts' worth the engine kept the trace's serial reuse itself and a pool added 3% of tokens
+SERIAL_ENGINE_CACHE_TOKENS = 1536
 
 
 @dataclass(frozen=True)
@@ -95,14 +101,16 @@ BENCHES: tuple[Bench, ...] = (
     Bench("trace", "The Mooncake conversation trace behind vLLM's OpenAI server", "kvpool bench trace --json",
           "trace", {}, "trace_report"),
     Bench("serve-in-step", "A pool hit in the step that schedules it: kvpool, the engine's own hit, vLLM's connector",
-          "kvpool bench serve --systems local,vllm-mooncake-embedded,kvpool --rounds 5 --json", "serve",
+          "kvpool bench serve --systems local,vllm-mooncake-embedded,kvpool --rounds 5 --min-pool-mib 128 --json",
+          "serve",
           {"all": {"systems": ("local", "vllm-mooncake-embedded", "kvpool"), "try_unsupported": False,
-                   "workload": ServeWorkload(rounds=5)}}),
+                   "workload": ServeWorkload(rounds=5, min_pool_bytes=IN_STEP_POOL_BYTES)}}),
     Bench("trace-serial", "The trace one request at a time: does a hit, on Mooncake too, pay for itself?",
           "kvpool bench trace --concurrencies 1 --rounds 5 --requests 30 --pool-fraction 0.75 "
-          "--systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "trace",
+          "--engine-cache-tokens 1536 --systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "trace",
           {"all": {"systems": ("local", "kvpool", "kvpool-mooncake", "vllm-mooncake-embedded"),
-                   "workload": TraceWorkload(requests=30, concurrencies=(1,), rounds=5, pool_fraction=0.75)}},
+                   "workload": TraceWorkload(requests=30, concurrencies=(1,), rounds=5, pool_fraction=0.75,
+                                             engine_cache_tokens=SERIAL_ENGINE_CACHE_TOKENS)}},
           "trace_report"),
     Bench("shared", "Two servers sharing one Mooncake pool: B's hits on what A stored",
           "kvpool bench shared --json", "shared", {}),

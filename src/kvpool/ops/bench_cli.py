@@ -170,6 +170,9 @@ def bench_serve(
     systems: Annotated[str, typer.Option(help="systems, comma separated (default: all)")] = "",
     concurrencies: Annotated[str, typer.Option(help="client concurrencies, comma separated")] = "1,4,16",
     rounds: Annotated[int, typer.Option(help="interleaved rounds (intervals need >= 2; 95% ones >= 6)", min=1)] = 3,
+    min_pool_mib: Annotated[
+        int, typer.Option(help="every pool's capacity at least this (default: a third of the working set)", min=0)
+    ] = 0,
 ) -> None:
     """End to end behind vLLM's OpenAI server with vLLM's serving benchmark client: kvpool next to the peers."""
     from kvpool.benchmarks import serve, serve_systems
@@ -177,7 +180,8 @@ def bench_serve(
     names = [part.strip() for part in systems.split(",") if part.strip()] or list(serve_systems.SYSTEMS)
     try:
         wanted = tuple(ints("--concurrencies", concurrencies))
-        result = serve.run(systems=names, concurrencies=wanted, rounds=rounds)
+        least = min_pool_mib << 20 if min_pool_mib else serve.Workload().min_pool_bytes
+        result = serve.run(systems=names, concurrencies=wanted, rounds=rounds, min_pool_bytes=least)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--systems") from exc
     emit(result, as_json, serve.print_table, no_fail)
@@ -249,6 +253,9 @@ def bench_trace(
     dtype: Annotated[
         str, typer.Option(help="the engine's dtype: bfloat16, or float32 on a CPU without AVX-512 (bf16 ~15x slower)")
     ] = "bfloat16",
+    engine_cache_tokens: Annotated[
+        int, typer.Option(help="the engine's own KV cache (default: 4 of the longest prompts, or the concurrency's)")
+    ] = 0,
 ) -> None:
     """The Mooncake conversation trace replayed behind vLLM's OpenAI server: kvpool next to the peers."""
     from kvpool.benchmarks import trace
@@ -259,7 +266,10 @@ def bench_trace(
     try:
         wanted = tuple(ints("--concurrencies", concurrencies))
         default = trace.Workload()  # the engine's cache holds the most requests at once, and 8 blocks more
-        cache = max(default.engine_cache_tokens, max(wanted) * default.max_model_len + 8 * default.block_size)
+        least = max(wanted) * default.max_model_len + 8 * default.block_size  # the requests at once, 8 blocks more
+        if engine_cache_tokens and engine_cache_tokens < least:
+            raise ValueError(f"--engine-cache-tokens {engine_cache_tokens}: expected at least {least}")
+        cache = engine_cache_tokens or max(default.engine_cache_tokens, least)
         result = trace.run(
             systems=names,
             concurrencies=wanted,
