@@ -101,13 +101,15 @@ BENCHES: tuple[Bench, ...] = (
     Bench("trace", "The Mooncake conversation trace behind vLLM's OpenAI server", "kvpool bench trace --json",
           "trace", {}, "trace_report"),
     Bench("serve-in-step", "A pool hit in the step that schedules it: kvpool, the engine's own hit, vLLM's connector",
-          "kvpool bench serve --systems local,vllm-mooncake-embedded,kvpool --rounds 5 --min-pool-mib 128 --json",
+          "kvpool bench serve --systems local,vllm-mooncake-embedded,kvpool --rounds 5 "
+          f"--min-pool-mib {IN_STEP_POOL_BYTES >> 20} --json",
           "serve",
           {"all": {"systems": ("local", "vllm-mooncake-embedded", "kvpool"), "try_unsupported": False,
                    "workload": ServeWorkload(rounds=5, min_pool_bytes=IN_STEP_POOL_BYTES)}}),
     Bench("trace-serial", "The trace one request at a time: does a hit, on Mooncake too, pay for itself?",
           "kvpool bench trace --concurrencies 1 --rounds 5 --requests 30 --pool-fraction 0.75 "
-          "--engine-cache-tokens 1536 --systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "trace",
+          f"--engine-cache-tokens {SERIAL_ENGINE_CACHE_TOKENS} "
+          "--systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "trace",
           {"all": {"systems": ("local", "kvpool", "kvpool-mooncake", "vllm-mooncake-embedded"),
                    "workload": TraceWorkload(requests=30, concurrencies=(1,), rounds=5, pool_fraction=0.75,
                                              engine_cache_tokens=SERIAL_ENGINE_CACHE_TOKENS)}},
