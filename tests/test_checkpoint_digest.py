@@ -44,7 +44,7 @@ def test_other_values_in_the_same_shapes_give_another_digest(tmp_path: Path) -> 
 
 def test_a_tensor_changed_past_its_sampled_bytes_only_is_the_weights_version_case(tmp_path: Path) -> None:
     """What the samples cannot see (values edited by hand in a tensor's unsampled bytes) keeps the digest:
-    the README names `weights_version` for it. Pinned here so the limit stays known."""
+    docs/correctness.md names `weights_version` for it. Pinned here so the limit stays known."""
     path = _checkpoint(tmp_path / "m")
     before = checkpoint_digest(str(path))
     weights = load_file(str(path / "model.safetensors"))

@@ -52,7 +52,7 @@ def test_a_state_setting_kvpool_cannot_serve_exactly_is_refused_by_name(change: 
 
 
 def test_every_mamba_spec_setting_is_classified() -> None:
-    """vLLM 0.32's MambaSpec fields that decide whether a state is exact; the README lists these."""
+    """vLLM 0.32's MambaSpec fields that decide whether a state is exact; docs/correctness.md lists these."""
     named = " ".join(STATE_SETTINGS)
     for setting in (
         "mamba_type",

@@ -1,4 +1,4 @@
-"""The embedded pool's policies (core/policy.py): whatever a policy admits and evicts, the scheduler's
+"""The embedded pool's policies (core/policy/): whatever a policy admits and evicts, the scheduler's
 index and the KV events equal what the pool holds, a chain never keeps its tail without its head, and
 each policy does what its rule says."""
 

@@ -1,4 +1,4 @@
-"""Two ways the chain policies' record of what the pool holds went wrong (core/policy.py, found replaying
+"""Two ways the chain policies' record of what the pool holds went wrong (core/policy/, found replaying
 the Mooncake trace behind an engine cache, issue 44), each test the rule the module docstring gives:
 a parent stored after its held child counts it (`ChainPolicy._orphans`), and a chunk another put is
 still copying is passed over, not forgotten (the pool's `writing`, its pending reservations)."""

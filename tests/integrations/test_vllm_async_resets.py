@@ -1,4 +1,4 @@
-"""The README's reset guidance under vLLM's real async scheduling and sync scheduling, in both orders:
+"""The reset guidance of docs/correctness.md under vLLM's real async scheduling and sync scheduling, in both orders:
 a reset while requests run and a pool load is awaited (refused, and retrying is no fix), and a drain
 first, then a reset with the connector (accepted, the pool emptied, outputs equal vLLM's own).
 

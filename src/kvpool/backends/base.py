@@ -106,7 +106,7 @@ class Status(enum.IntEnum):
     UNAVAILABLE = 4  # the backend is down or unhealthy; counts as a miss
     ERROR = 5  # any other failure
     CORRUPT = 6  # the bytes arrived but fail their seal (see integrity.py)
-    # the pool's admission chose not to store it (core/policy.py): not a failure, never retried, no pressure;
+    # the pool's admission chose not to store it (core/policy/): not a failure, never retried, no pressure;
     # not stored, so never reported stored
     DECLINED = 7
 

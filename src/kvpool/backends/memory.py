@@ -52,7 +52,7 @@ class MemoryBackend:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) or capacity_bytes <= 0:
             raise ConfigError("capacity_bytes", capacity_bytes, "a positive integer number of bytes")
         self.capacity_bytes = capacity_bytes
-        # admission and eviction (core/policy.py), called under the lock; None: every chunk stored, the
+        # admission and eviction (core/policy/), called under the lock; None: every chunk stored, the
         # least recently used evicted (so is `LRUPolicy`: the pool's own order, at no cost)
         self.policy = None if isinstance(policy, LRUPolicy) else policy
         self._lock = threading.Lock()
@@ -468,7 +468,7 @@ def shared_memory_pool(
     name: str = "default", capacity_bytes: int = DEFAULT_CAPACITY_BYTES, pool_policy: str | None = None
 ) -> MemoryBackend:
     """The process-wide pool called `name`: it outlives engines, so a later engine in this process hits
-    what an earlier one saved. `pool_policy`: its admission and eviction (core/policy.py; None: "lru"
+    what an earlier one saved. `pool_policy`: its admission and eviction (core/policy/; None: "lru"
     for a new pool, whatever an existing one has)."""
     with _shared_lock:
         pool = _shared.get(name)

@@ -456,7 +456,7 @@ def shared_tiered_pool(
     tier scanned then (its directory locked to this process: DiskInUseError if another holds it); later
     engines in the process share it. `direct`: O_DIRECT file I/O. `namespaces`: the key spaces the
     engine reads, whose files the tier keeps (the scan reclaims the rest; None: keeps every file).
-    `pool_policy`: DRAM's evictions (core/policy.py; None: "lru" for a new pool, whatever an existing
+    `pool_policy`: DRAM's evictions (core/policy/; None: "lru" for a new pool, whatever an existing
     one has); DRAM admits every put, since the disk is written from DRAM's copies (a chunk DRAM declined
     would reach neither tier)."""
     with _shared_lock:

@@ -45,7 +45,7 @@ class Integrity(str, enum.Enum):
 
 @dataclass
 class KVPoolConfig:
-    """Every key of `kv_connector_extra_config` kvpool understands (see README for the table)."""
+    """Every key of `kv_connector_extra_config` kvpool understands (docs/configuration.md has the table)."""
 
     backend: str = "memory"
     pool_name: str = "default"
@@ -66,7 +66,7 @@ class KVPoolConfig:
     save_linger_ms: float = 20.0
     integrity: str = "off"  # "sampled" or "full": store a seal with each chunk and check it on load (integrity.py)
     load_failure_policy: str = "recompute"  # "engine": keep the engine's own policy (vLLM's default fails the request)
-    pool_policy: str = DEFAULT_POLICY  # the embedded pool's admission and eviction (core/policy.py); "lru": plain LRU
+    pool_policy: str = DEFAULT_POLICY  # the embedded pool's admission and eviction (core/policy/); "lru": plain LRU
     disk_path: str | None = None  # the embedded pool's disk tier: one directory per rank under it (backends/disk.py)
     disk_capacity_bytes: int | str | None = None  # required with disk_path: bytes of files per rank
     disk_read_timeout_ms: float = 2000.0  # a disk read not done by then is a failed load (recomputed)

@@ -44,7 +44,7 @@ class SpecFacts:
     tokens_per_state: int | Fraction = -1
 
 
-# Every `MambaSpec` setting of vLLM 0.32, served or refused, and why (README: hybrid models). The
+# Every `MambaSpec` setting of vLLM 0.32, served or refused, and why (docs/correctness.md: hybrid models). The
 # start-up error of a refused one repeats its reason.
 STATE_SETTINGS: dict[str, str] = {
     "mamba_type": (
@@ -97,7 +97,7 @@ def _state(facts: SpecFacts) -> AttentionKind:
 
 
 # `tokens_per_state` on an attention spec (vLLM 0.32's `AttentionSpec`), served or refused, and why
-# (README: model families). The start-up error of a refused one repeats its reason.
+# (docs/correctness.md: model families). The start-up error of a refused one repeats its reason.
 COMPRESSION_SETTINGS: dict[str, str] = {
     "tokens_per_state = 1": "served: one state per token, the plain paged KV cache",
     "tokens_per_state > 1, a divisor of block_size": (
