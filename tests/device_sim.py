@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvpool.benchmarks.device_plan import Shape
-from kvpool.benchmarks.device_rig import Rig
+from kvpool.benchmarks.device.plan import Shape
+from kvpool.benchmarks.device.rig import Rig
 from kvpool.core.config import Integrity
 
 

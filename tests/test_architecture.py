@@ -12,6 +12,11 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+# the benchmarks' families (kvpool/benchmarks/<family>/), lowest first: each is a part of its own, and a family
+# may import only the families before it (and itself); the benchmarks' top (the suite) runs them all
+BENCHMARK_FAMILIES = ("benchmarks.measure", "benchmarks.device", "benchmarks.transfer", "benchmarks.policy",
+                      "benchmarks.per_step", "benchmarks.serving")  # fmt: skip
+_BELOW_OPS = {"core", "backends", "worker", "scheduler", "connector", "integrations", "testing"}
 # part -> the parts it may import (itself included); see each part's __init__.py and docs/architecture.md
 ALLOWED: dict[str, set[str]] = {
     "core": {"core"},
@@ -21,16 +26,23 @@ ALLOWED: dict[str, set[str]] = {
     "connector": {"core", "backends", "worker", "scheduler", "connector"},
     "integrations": {"core", "backends", "worker", "scheduler", "connector", "integrations"},
     "testing": {"core", "backends", "testing"},
-    "benchmarks": {"core", "backends", "worker", "scheduler", "connector", "integrations", "testing", "benchmarks"},
-    "ops": {"api", "core", "backends", "worker", "scheduler", "connector", "integrations", "testing", "benchmarks",
-            "ops"},
+    "benchmarks.measure": {"core", "benchmarks.measure"},
+    "benchmarks.device": {"core", "backends", "worker", "benchmarks.measure", "benchmarks.device"},
+    "benchmarks.transfer": {"core", "backends", "worker", "benchmarks.measure", "benchmarks.transfer"},
+    "benchmarks.policy": {"core", "backends", "benchmarks.measure", "benchmarks.policy"},
+    "benchmarks.per_step": {*_BELOW_OPS, "benchmarks.measure", "benchmarks.per_step"},
+    "benchmarks.serving": {
+        *_BELOW_OPS, "benchmarks.measure", "benchmarks.per_step", "benchmarks.policy", "benchmarks.serving"
+    },
+    "benchmarks": {*_BELOW_OPS, *BENCHMARK_FAMILIES, "benchmarks"},
+    "ops": {"api", *_BELOW_OPS, *BENCHMARK_FAMILIES, "benchmarks", "ops"},
     "api": {"core", "backends", "worker", "scheduler"},  # kvpool/__init__.py: the public names
 }
 # third-party packages only some parts may import directly: engines and pool clients stay at the edges
 EXTERNAL_ONLY_IN: dict[str, set[str]] = {
-    "vllm": {"integrations", "testing", "benchmarks", "kvpool.ops.demo"},
+    "vllm": {"integrations", "testing", "benchmarks.per_step", "benchmarks.serving", "kvpool.ops.demo"},
     "mooncake": {"kvpool.backends.mooncake.native"},
-    "lmcache": {"benchmarks"},
+    "lmcache": {"benchmarks.serving"},
 }
 
 
@@ -64,9 +76,14 @@ def _imports(module: str) -> Iterator[tuple[str, int]]:
 
 
 def _part(module: str) -> str:
+    """`kvpool.worker.layout` -> `worker`; a benchmark family's module -> its family
+    (`kvpool.benchmarks.serving.serve` -> `benchmarks.serving`); the benchmarks' own top -> `benchmarks`."""
     if module == "kvpool":
         return "api"
-    return module.split(".")[1] if module.count(".") >= 1 else module
+    names = module.split(".")
+    if len(names) > 2 and names[1] == "benchmarks" and (SRC / "kvpool" / "benchmarks" / names[2]).is_dir():
+        return f"benchmarks.{names[2]}"
+    return names[1] if len(names) > 1 else module
 
 
 def _kvpool_edges() -> dict[str, set[str]]:
@@ -80,7 +97,7 @@ def test_every_module_belongs_to_a_part_with_a_stated_responsibility() -> None:
     parts = {_part(module) for module in MODULES}
     assert parts == set(ALLOWED), (parts - set(ALLOWED), set(ALLOWED) - parts)
     for part in parts - {"api"}:
-        face = SRC / "kvpool" / part / "__init__.py"
+        face = SRC / "kvpool" / Path(*part.split(".")) / "__init__.py"
         docstring = ast.get_docstring(ast.parse(face.read_text()))
         assert docstring, f"{face} says nothing of what the part is responsible for"
 
@@ -104,6 +121,22 @@ def test_engines_and_pool_clients_are_imported_only_at_the_edges(module: str) ->
         if places is not None and _part(module) not in places and module not in places:
             wrong.append(f"line {line}: {target}, allowed only in {sorted(places)}")
     assert not wrong, f"{module}: {wrong}"
+
+
+def test_every_benchmark_family_says_what_it_measures_and_imports_no_family_above_it() -> None:
+    """Every folder of kvpool/benchmarks is a family in BENCHMARK_FAMILIES, with an `__init__.py` docstring;
+    a family may import only the families before it, so imports between families go one way."""
+    top = SRC / "kvpool" / "benchmarks"
+    folders = {f"benchmarks.{path.name}" for path in top.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders == set(BENCHMARK_FAMILIES), (folders - set(BENCHMARK_FAMILIES), set(BENCHMARK_FAMILIES) - folders)
+    for rank, family in enumerate(BENCHMARK_FAMILIES):
+        face = SRC / "kvpool" / Path(*family.split(".")) / "__init__.py"
+        assert ast.get_docstring(ast.parse(face.read_text())), f"{face} says nothing of what the family measures"
+        above = set(BENCHMARK_FAMILIES[rank + 1 :]) | {"benchmarks"}
+        assert not ALLOWED[family] & above, f"{family} may import {sorted(ALLOWED[family] & above)}, above it"
+    assert ALLOWED["benchmarks"] >= set(BENCHMARK_FAMILIES)  # the suite runs every family
+    assert _part("kvpool.benchmarks.serving.serve") == "benchmarks.serving"
+    assert _part("kvpool.benchmarks.suite") == _part("kvpool.benchmarks") == "benchmarks"
 
 
 def test_no_module_imports_itself_back_through_others() -> None:

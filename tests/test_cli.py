@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kvpool
-from kvpool.benchmarks import lookup
+from kvpool.benchmarks.per_step import lookup
 from kvpool.ops import demo
 from kvpool.ops.cli import app
 
@@ -56,7 +56,7 @@ def test_a_bad_demo_backend_is_a_usage_error_before_any_work(monkeypatch: pytest
 
 
 def test_a_bad_trace_dtype_is_a_usage_error_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool.benchmarks import trace
+    from kvpool.benchmarks.serving import trace
 
     monkeypatch.setattr(trace, "run", lambda **_: pytest.fail("the trace ran with a bad dtype"))
     outcome = CliRunner().invoke(app, ["bench", "trace", "--dtype", "float16"])
@@ -65,7 +65,7 @@ def test_a_bad_trace_dtype_is_a_usage_error_before_any_work(monkeypatch: pytest.
 
 
 def test_the_trace_dtype_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool.benchmarks import trace
+    from kvpool.benchmarks.serving import trace
 
     seen: dict[str, Any] = {}
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
-from kvpool.benchmarks.device_rig import staged_layout
+from kvpool.benchmarks.device.rig import staged_layout
 from kvpool.core.config import Integrity
 from kvpool.core.errors import LayoutError
 from kvpool.worker.cuda_runtime import InlineRuntime

@@ -16,9 +16,9 @@ import torch
 
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
-from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
-from kvpool.benchmarks.device_plan import Shape
-from kvpool.benchmarks.device_rig import Rig, staged_layout
+from kvpool.benchmarks.device.cache import backing_cache, fill_random, per_layer_cache
+from kvpool.benchmarks.device.plan import Shape
+from kvpool.benchmarks.device.rig import Rig, staged_layout
 from kvpool.core.config import Integrity
 from kvpool.core.errors import LayoutError
 from kvpool.worker.cuda_runtime import InlineRuntime, TorchCuda, pinned_bytes

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from device_sim import SimRig
-from kvpool.benchmarks import device_phases
-from kvpool.benchmarks.device_plan import Shape, dry_plan
+from kvpool.benchmarks.device import phases
+from kvpool.benchmarks.device.plan import Shape, dry_plan
 
 PLAN = dry_plan()
 TRIP = dataclasses.replace(
@@ -29,8 +29,8 @@ def _round_trip(monkeypatch, drop=(), trip=TRIP):
         rigs.append(rig)
         return rig
 
-    monkeypatch.setattr(device_phases, "Rig", make)
-    result = device_phases.round_trip(PLAN, trip)
+    monkeypatch.setattr(phases, "Rig", make)
+    result = phases.round_trip(PLAN, trip)
     assert rigs
     return result
 
@@ -66,7 +66,7 @@ def _segmented(drop=()):
 
     from device_sim import QueueWrites, SimRuntime
     from kvpool.backends.memory import MemoryBackend
-    from kvpool.benchmarks.device_cache import backing_cache, fill_random
+    from kvpool.benchmarks.device.cache import backing_cache, fill_random
     from kvpool.worker.layout import KVLayout
 
     _, tensors = backing_cache(torch, 3, 12, 16, 2, 8, torch.bfloat16, "cpu")
@@ -98,8 +98,8 @@ def test_saves_and_loads_in_segments_reuse_the_device_buffer_only_after_its_copy
 
 def test_the_engine_thread_phase_on_the_simulated_device_loads_and_partially_loads_exactly():
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(device_phases, "Rig", SimRig)
+        monkeypatch.setattr(phases, "Rig", SimRig)
         plan = dataclasses.replace(PLAN, engine_thread=dataclasses.replace(PLAN.engine_thread, shape=TRIP.shape))
-        result = device_phases.engine_thread(plan, plan.engine_thread)
+        result = phases.engine_thread(plan, plan.engine_thread)
     for mode in ("off", "full"):
         assert result[mode]["ok"] and result[mode]["partial_load"]["arrived_exact"], result[mode]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.benchmarks import breakdown
-from kvpool.benchmarks.breakdown_profile import reduce
+from kvpool.benchmarks.serving import breakdown
+from kvpool.benchmarks.serving.breakdown_profile import reduce
 from kvpool.testing.mooncake import mooncake_or_skip
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.timeout(300)]

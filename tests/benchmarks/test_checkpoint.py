@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.benchmarks import serve
-from kvpool.benchmarks.checkpoint import Checkpoint, Progress
+from kvpool.benchmarks.measure.checkpoint import Checkpoint, Progress
+from kvpool.benchmarks.serving import serve, servers
+from kvpool.benchmarks.serving.serve_workload import DATASETS, Workload
 
 SYSTEMS = ("local", "kvpool", "vllm-mooncake-embedded")
 
@@ -30,7 +31,7 @@ def rig(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
         state["started"].append(list(systems))
         for name in systems:
             started(name)
-        return {name: serve._Running(server=None, pids=[]) for name in systems}  # type: ignore[arg-type]
+        return {name: servers._Running(server=None, pids=[]) for name in systems}  # type: ignore[arg-type]
 
     def client_run(system, model, workload, name, dataset, concurrency, seed):  # type: ignore[no-untyped-def]
         round_index = seed  # the fake seeds name the round
@@ -44,9 +45,9 @@ def rig(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
             "ttft_mean_ms": 10.0 + round_index, "ttft_p50_ms": 10.0, "output_tok_s": 5.0,
         }  # fmt: skip
 
-    def seeds(model: Path, workload: serve.Workload) -> dict[tuple[str, int, int], int]:
+    def seeds(model: Path, workload: Workload) -> dict[tuple[str, int, int], int]:
         rounds = range(9)
-        return defaultdict(int, {(d, c, r): r for d in serve.DATASETS for c in workload.concurrencies for r in rounds})
+        return defaultdict(int, {(d, c, r): r for d in DATASETS for c in workload.concurrencies for r in rounds})
 
     monkeypatch.setattr(serve, "make_tiny_model", lambda kind, directory: tmp_path)
     monkeypatch.setattr(serve, "_token_bytes", lambda model, dtype: 1024)
@@ -55,12 +56,12 @@ def rig(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     monkeypatch.setattr(serve, "_client_run", client_run)
     probe = dict.fromkeys(("miss_ms", "again_ms", "evicted_ms", "evicted_cached_tokens", "evicted_pool_tokens"), 5.0)
     monkeypatch.setattr(serve, "_probe", lambda server, workload, round_index: dict(probe))
-    monkeypatch.setattr(serve, "_served", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(servers, "_served", lambda *a: contextlib.nullcontext())
     return state
 
 
 def run(path: Path, rounds: int = 3, commit: str = "aaa", **overrides: Any) -> dict[str, Any]:
-    workload = serve.Workload(rounds=rounds, concurrencies=(1, 4), **overrides)
+    workload = Workload(rounds=rounds, concurrencies=(1, 4), **overrides)
     return serve.run(
         workload=workload, systems=SYSTEMS, try_unsupported=False, checkpoint=path, stamp={"commit": commit}
     )
@@ -78,7 +79,7 @@ def test_a_run_cut_short_is_taken_up_where_it_stopped_and_every_round_is_measure
     result = run(path, commit="bbb")
     assert {r for r, *_ in rig["measured"]} == {1, 2}  # round 1 is not measured again
     per_round = {(row["round"], row["system"], row["dataset"], row["concurrency"]) for row in result["results"]}
-    assert len(result["results"]) == len(per_round) == 3 * len(SYSTEMS) * len(serve.DATASETS) * 2
+    assert len(result["results"]) == len(per_round) == 3 * len(SYSTEMS) * len(DATASETS) * 2
     assert [(r["commit"], r["first_round"], r["last_round"]) for r in result["runs"]] == [("aaa", 0, 0), ("bbb", 1, 2)]
     assert len(result["probe"]) == 3 * len(SYSTEMS)
 

@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
 
-from kvpool.benchmarks import connector_step
+from kvpool.benchmarks.per_step import connector_step
 from kvpool.testing.mooncake import mooncake_or_skip
 
 CONTEXTS = [64, 256]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool.benchmarks.device_cache import LAYOUTS, backing_cache
+from kvpool.benchmarks.device.cache import LAYOUTS, backing_cache
 
 kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
 kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")

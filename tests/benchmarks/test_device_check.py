@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.benchmarks import device_check, device_phases
-from kvpool.benchmarks.device_plan import BandwidthRow, Plan, RoundTripPlan, Shape, check_plan, dry_plan, gpu_plan
-from kvpool.benchmarks.device_rig import SyncCounter
+from kvpool.benchmarks.device import check as device_check
+from kvpool.benchmarks.device import phases as device_phases
+from kvpool.benchmarks.device.plan import BandwidthRow, Plan, RoundTripPlan, Shape, check_plan, dry_plan, gpu_plan
+from kvpool.benchmarks.device.rig import SyncCounter
 from kvpool.worker.cuda_runtime import InlineRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,7 @@ def test_the_watchdog_dumps_stacks_and_exits_with_the_finished_phases_json_needi
         "for name in ('vllm', 'rich', 'typer', 'prometheus_client', 'hypothesis', 'mooncake'):\n"
         "    sys.modules[name] = None\n"
         f"sys.argv = ['device_check', *{args!r}]\n"
-        "runpy.run_module('kvpool.benchmarks.device_check', run_name='__main__')\n"
+        "runpy.run_module('kvpool.benchmarks.device.check', run_name='__main__')\n"
     )
     env = {**ENV, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -7,12 +7,12 @@ import json
 
 from typer.testing import CliRunner
 
-from kvpool.benchmarks import disk_transfer
+from kvpool.benchmarks.transfer import disk
 from kvpool.ops.cli import app
 
 
 def test_the_full_tier_row_evicts_a_chunk_with_every_write_and_reuses_its_file(tmp_path) -> None:
-    cell = disk_transfer._Cell(str(tmp_path), 64 << 10, 4)
+    cell = disk._Cell(str(tmp_path), 64 << 10, 4)
     try:
         for _ in range(3):
             cell.prepare("tier_write_full")
@@ -25,14 +25,14 @@ def test_the_full_tier_row_evicts_a_chunk_with_every_write_and_reuses_its_file(t
 
 
 def test_the_disk_bench_times_every_move_and_states_each_target(tmp_path) -> None:
-    result = disk_transfer.run(chunk_sizes=(64 << 10,), keys=4, rounds=2, directory=str(tmp_path))
+    result = disk.run(chunk_sizes=(64 << 10,), keys=4, rounds=2, directory=str(tmp_path))
     (row,) = result["results"]
-    direct = set(disk_transfer.DIRECT) if result["config"]["direct"] else set()  # tmpfs refuses O_DIRECT
-    assert set(row["gbps"]) == {*disk_transfer.SYSTEMS} - set(disk_transfer.DIRECT) | direct
+    direct = set(disk.DIRECT) if result["config"]["direct"] else set()  # tmpfs refuses O_DIRECT
+    assert set(row["gbps"]) == {*disk.SYSTEMS} - set(disk.DIRECT) | direct
     assert all(figure["estimate"] > 0 and figure["rounds"] == 2 for figure in row["gbps"].values())
-    pairs = {name: of for name, of in disk_transfer.PAIRS if name in row["gbps"]}
+    pairs = {name: of for name, of in disk.PAIRS if name in row["gbps"]}
     assert {name: entry["of"] for name, entry in row["ratios"].items()} == pairs
-    assert {name for name, entry in row["ratios"].items() if "verdict" in entry} == disk_transfer.TARGETED & set(pairs)
+    assert {name for name, entry in row["ratios"].items() if "verdict" in entry} == disk.TARGETED & set(pairs)
     if direct:  # the tier's own O_DIRECT mode, against the device in the same mode
         assert {"direct_tier_write", "direct_tier_write_full", "direct_tier_read"} <= set(row["ratios"])
     assert list(tmp_path.iterdir()) == [], "the bench leaves no files behind"

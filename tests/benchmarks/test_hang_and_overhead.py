@@ -14,7 +14,8 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm")
 
-from kvpool.benchmarks import serve_overhead, suite
+from kvpool.benchmarks import suite
+from kvpool.benchmarks.serving import serve_overhead
 from kvpool.testing.mooncake import mooncake_or_skip
 
 

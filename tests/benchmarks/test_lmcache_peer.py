@@ -19,8 +19,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpool.benchmarks.lmcache_peer import InstallError, Peer, ensure_installed, lmcache_mp_server
-from kvpool.benchmarks.serve import Workload, _token_bytes, _try_unsupported
+from kvpool.benchmarks.serving.lmcache_peer import InstallError, Peer, ensure_installed, lmcache_mp_server
+from kvpool.benchmarks.serving.serve_workload import Workload
+from kvpool.benchmarks.serving.servers import _token_bytes, _try_unsupported
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import openai_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvpool.benchmarks import lookup
+from kvpool.benchmarks.per_step import lookup
 
 
 def test_lookup_bench_times_the_index_next_to_vllms_own_lookup() -> None:

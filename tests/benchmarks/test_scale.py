@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from kvpool.backends.base import Status
 from kvpool.backends.memory import MemoryBackend
-from kvpool.benchmarks import scale
-from kvpool.benchmarks.scale_pool import CHUNK_BYTES, PlainLRU, capacity_row
+from kvpool.benchmarks.per_step import scale
+from kvpool.benchmarks.per_step.scale_pool import CHUNK_BYTES, PlainLRU, capacity_row
 from kvpool.ops.cli import app
 
 

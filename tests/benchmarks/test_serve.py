@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.benchmarks import serve, serve_report, serve_systems
+from kvpool.benchmarks.serving import serve, serve_report, serve_systems
 
 # the first test runs the whole tiny bench (its fixture): about 7 minutes on 2 slow cores, starts included
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.benchmarks import shared
+from kvpool.benchmarks.serving import shared
 from kvpool.testing.mooncake import mooncake_or_skip
 
 TINY = shared.TINY_ARGS["workload"]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvpool.benchmarks.stats import Interval, Verdict, ratio, rotation, spread, t95, verdict
+from kvpool.benchmarks.measure.stats import Interval, Verdict, ratio, rotation, spread, t95, verdict
 
 
 def test_the_median_interval_is_the_range_below_six_rounds_and_order_statistics_from_then_on() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.benchmarks import store_path
+from kvpool.benchmarks.per_step import store_path
 
 REQUESTS, BLOCK = 2, 16
 GROUPS = {"full": 1, "hybrid": 2, "put_step2": 1}

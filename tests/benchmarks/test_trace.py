@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.benchmarks import suite, trace, trace_report
-from kvpool.benchmarks.trace import TraceRequest, Workload
+from kvpool.benchmarks import suite
+from kvpool.benchmarks.serving import trace, trace_report
+from kvpool.benchmarks.serving.trace import TraceRequest, Workload
 from kvpool.ops.cli import app
 
 needs_trace = pytest.mark.skipif(not os.path.exists(trace.DEFAULT_TRACE), reason="the Mooncake trace is not here")

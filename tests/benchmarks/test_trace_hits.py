@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.benchmarks import trace_hits
-from kvpool.benchmarks.trace_hits_report import target_ratio
-from kvpool.benchmarks.trace_replay import (
+from kvpool.benchmarks.policy import trace_hits
+from kvpool.benchmarks.policy.trace_hits_report import target_ratio
+from kvpool.benchmarks.policy.trace_replay import (
     Trace,
     derive,
     engine_hits,
@@ -24,7 +24,7 @@ from kvpool.benchmarks.trace_replay import (
     hits_pool,
     hits_tiered,
 )
-from kvpool.benchmarks.trace_reuse import analyze, doc_blocks
+from kvpool.benchmarks.policy.trace_reuse import analyze, doc_blocks
 from kvpool.core.policy import POLICY_NAMES
 from kvpool.ops.cli import app
 
@@ -223,7 +223,7 @@ def test_replays_in_worker_processes_give_what_they_give_in_this_one(
 
 def test_the_policy_docs_and_the_reports_figures_are_the_committed_results() -> None:
     """docs/eviction-policy.md's and BENCHMARKS.md's trace-hits parts are generated from the result
-    files (`python -m kvpool.benchmarks.trace_hits doc`; `kvpool bench all --only trace-hits`), never typed."""
+    files (`python -m kvpool.benchmarks.policy.trace_hits doc`; `kvpool bench all --only trace-hits`), never typed."""
     result = ROOT / "benchmarks" / "results" / "trace-hits.json"
     blocks = doc_blocks(json.loads(result.read_text()), "benchmarks/results/trace-hits.json")
     doc = (ROOT / "docs" / "eviction-policy.md").read_text()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.benchmarks import transfer
+from kvpool.benchmarks.transfer import backends
 from kvpool.testing.mooncake import mooncake_or_skip
 
 KiB = 1 << 10
@@ -50,7 +50,7 @@ def check_shape(result: dict[str, Any], backend: str, placements: tuple[str, ...
             assert "raw_gbps" not in row and "placement" not in row
     summary = result["summary"]
     assert summary["baseline"] == ("memcpy" if backend == "memory" else "raw_same_pieces")
-    assert summary["threshold"] == (transfer.MEMORY_TARGET if backend == "memory" else transfer.MOONCAKE_TARGET)
+    assert summary["threshold"] == (backends.MEMORY_TARGET if backend == "memory" else backends.MOONCAKE_TARGET)
     assert len(summary["ratios"]) == len(rows)
     assert all(isinstance(check["pass"], bool) and check["ratio"] >= 0 for check in summary["ratios"])
     for row, check in zip(rows, summary["ratios"]):
@@ -68,15 +68,15 @@ def check_shape(result: dict[str, Any], backend: str, placements: tuple[str, ...
     integrity = summary["integrity"]
     loads = [row["seal_cost"]["sampled"] for row in rows if row["op"] == "get"]
     assert integrity["worst_load_cost"] == max(loads)
-    assert integrity["pass"] == (max(loads) < transfer.SEAL_COST_TARGET)
+    assert integrity["pass"] == (max(loads) < backends.SEAL_COST_TARGET)
     assert summary["min_ratio"] == min(check["ratio"] for check in summary["ratios"])
     assert summary["failed"] == [check for check in summary["ratios"] if not check["pass"]]
 
 
 def test_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    result = transfer.run("memory", **TINY)
+    result = backends.run("memory", **TINY)
     check_shape(result, "memory")
-    transfer.print_table(result)
+    backends.print_table(result)
     assert "kvpool >= 60% of memcpy" in capsys.readouterr().out
 
 
@@ -85,9 +85,9 @@ def test_mooncake_local_and_remote(capsys: pytest.CaptureFixture[str]) -> None:
     """Both placements: `remote` moves the 4-piece values through the staging buffer over TCP, and the
     bench checks every path read back the bytes it wrote."""
     mooncake_or_skip()
-    result = transfer.run("mooncake", placements=("local", "remote"), **TINY)
+    result = backends.run("mooncake", placements=("local", "remote"), **TINY)
     check_shape(result, "mooncake", ("local", "remote"))
-    transfer.print_table(result)
+    backends.print_table(result)
     out = capsys.readouterr().out
     assert "kvpool >= 80% of raw Mooncake moving the same pieces" in out
     assert "vs the contiguous raw call" in out
@@ -98,7 +98,7 @@ def test_cli_json(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from kvpool.ops.cli import app
 
-    monkeypatch.setattr(transfer, "run", functools.partial(transfer.run, **TINY))
+    monkeypatch.setattr(backends, "run", functools.partial(backends.run, **TINY))
     outcome = CliRunner().invoke(app, ["bench", "transfer", "--backend", "memory", "--json", "--no-fail"])
     assert outcome.exit_code == 0, outcome.output
     check_shape(json.loads(outcome.output), "memory")
@@ -110,13 +110,13 @@ def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.Mo
     from kvpool.ops.cli import app
 
     seen: dict[str, Any] = {}
-    real_run = transfer.run
+    real_run = backends.run
 
     def fake_run(**kwargs: Any) -> dict[str, Any]:
         seen.update(kwargs)
         return real_run(chunk_sizes=(64 * KiB,), **{**kwargs, "reps": 1, "min_sample_s": 0.0})
 
-    monkeypatch.setattr(transfer, "run", fake_run)
+    monkeypatch.setattr(backends, "run", fake_run)
     flags = ["--json", "--no-fail", "--pieces", "16,2", "--keys", "3", "--reps", "2"]
     outcome = CliRunner().invoke(app, ["bench", "transfer", *flags])
     assert outcome.exit_code == 0, outcome.output
@@ -133,14 +133,14 @@ def test_cli_options_reach_the_run_and_bad_ones_are_named(monkeypatch: pytest.Mo
 
 
 def test_cheap_cells_run_rounds_until_each_path_has_enough_samples() -> None:
-    result = transfer.run("memory", **{**TINY, "pieces": (1,), "reps": 2, "min_sample_s": 0.02})
+    result = backends.run("memory", **{**TINY, "pieces": (1,), "reps": 2, "min_sample_s": 0.02})
     rounds = [row["rounds"] for row in result["results"]]
-    assert all(2 < count <= transfer.MAX_REPS for count in rounds), rounds
+    assert all(2 < count <= backends.MAX_REPS for count in rounds), rounds
 
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="backend"):
-        transfer.run("disk")
+        backends.run("disk")
     with pytest.raises(ValueError, match="pieces"):
-        transfer.run("memory", chunk_sizes=(1000,), pieces=(3,), keys_per_batch=1, reps=1)
+        backends.run("memory", chunk_sizes=(1000,), pieces=(3,), keys_per_batch=1, reps=1)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.benchmarks import serve
+from kvpool.benchmarks.serving import serve_client
 from kvpool.testing.server import KEEP_LOGS_ENV, OpenAIServer
 
 
@@ -54,5 +54,5 @@ def test_the_probe_reports_the_pools_warnings_not_vllms_info() -> None:
             "Traceback (most recent call last):",
         ]
     )
-    lines = serve._pool_log(_Logged(log))  # type: ignore[arg-type]
+    lines = serve_client._pool_log(_Logged(log))  # type: ignore[arg-type]
     assert lines == log.splitlines()[2:]

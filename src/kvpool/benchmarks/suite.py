@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.serve import Workload as ServeWorkload
-from kvpool.benchmarks.trace import Workload as TraceWorkload
+from kvpool.benchmarks.serving.serve_workload import Workload as ServeWorkload
+from kvpool.benchmarks.serving.trace import Workload as TraceWorkload
 
 RESULTS_DIR = Path("benchmarks") / "results"
 REPORT = Path("BENCHMARKS.md")
@@ -76,48 +76,50 @@ class Bench:
 
 BENCHES: tuple[Bench, ...] = (
     Bench("store-path", "Store path per engine step, next to vLLM's connector", "kvpool bench store-path --json",
-          "store_path", {}),
-    Bench("lookup", "Lookup on the scheduler's thread", "kvpool bench lookup --json", "lookup", {}),
+          "per_step.store_path", {}),
+    Bench("lookup", "Lookup on the scheduler's thread", "kvpool bench lookup --json",
+          "per_step.lookup", {}),
     Bench("transfer-memory", "Transfers: embedded pool vs memcpy", "kvpool bench transfer --backend memory --json",
-          "transfer", {"all": {"backend": "memory"},
+          "transfer.backends", {"all": {"backend": "memory"},
                        "tiny": {"backend": "memory", "chunk_sizes": [64 << 10], "pieces": [1], "keys_per_batch": 4,
-                                "reps": 2, "min_sample_s": 0.0}}, "transfer_report"),
+                                "reps": 2, "min_sample_s": 0.0}}, "transfer.report"),
     Bench("transfer-mooncake", "Transfers: kvpool on Mooncake vs raw Mooncake",
-          "kvpool bench transfer --backend mooncake --json", "transfer",
+          "kvpool bench transfer --backend mooncake --json", "transfer.backends",
           {"all": {"backend": "mooncake", "reps": 7, "min_sample_s": 0.05},  # the CLI's 15 reps take ~6 min
            "tiny": {"backend": "mooncake", "chunk_sizes": [64 << 10], "pieces": [1], "keys_per_batch": 4, "reps": 2,
-                    "min_sample_s": 0.0, "placements": ["local"]}}, "transfer_report"),
+                    "min_sample_s": 0.0, "placements": ["local"]}}, "transfer.report"),
     Bench("transfer-disk", "Transfers: the embedded pool's disk tier vs the disk's sequential I/O",
-          "kvpool bench transfer --backend disk --json", "disk_transfer", {}),
-    Bench("scale", "Scale: concurrency and the embedded pool at capacity", "kvpool bench scale --json", "scale", {}),
+          "kvpool bench transfer --backend disk --json", "transfer.disk", {}),
+    Bench("scale", "Scale: concurrency and the embedded pool at capacity", "kvpool bench scale --json",
+          "per_step.scale", {}),
     Bench("connector-step", "The whole connector per engine step, next to vLLM's own",
-          "kvpool bench connector-step --json", "connector_step",
-          {"quick": {"requests": [8], "contexts": [1024, 131072]}}, "connector_step_report"),
-    Bench("hang", "A hung Mooncake master", "kvpool bench hang --json", "hang", {}),
+          "kvpool bench connector-step --json", "per_step.connector_step",
+          {"quick": {"requests": [8], "contexts": [1024, 131072]}}, "per_step.connector_step_report"),
+    Bench("hang", "A hung Mooncake master", "kvpool bench hang --json", "serving.hang", {}),
     Bench("serve-overhead", "What kvpool costs a request behind vLLM's OpenAI server",
-          "kvpool bench serve-overhead --json", "serve_overhead", {"quick": {"rounds": 1}}),
+          "kvpool bench serve-overhead --json", "serving.serve_overhead", {"quick": {"rounds": 1}}),
     Bench("serve", "End to end behind vLLM's OpenAI server, next to the peers", "kvpool bench serve --json",
-          "serve", {}),
+          "serving.serve", {}),
     Bench("trace", "The Mooncake conversation trace behind vLLM's OpenAI server", "kvpool bench trace --json",
-          "trace", {}, "trace_report"),
+          "serving.trace", {}, "serving.trace_report"),
     Bench("serve-in-step", "A pool hit in the step that schedules it: kvpool, the engine's own hit, vLLM's connector",
           "kvpool bench serve --systems local,vllm-mooncake-embedded,kvpool --rounds 5 "
           f"--min-pool-mib {IN_STEP_POOL_BYTES >> 20} --json",
-          "serve",
+          "serving.serve",
           {"all": {"systems": ("local", "vllm-mooncake-embedded", "kvpool"), "try_unsupported": False,
                    "workload": ServeWorkload(rounds=5, min_pool_bytes=IN_STEP_POOL_BYTES)}}),
     Bench("trace-serial", "The trace one request at a time: does a hit, on Mooncake too, pay for itself?",
           "kvpool bench trace --concurrencies 1 --rounds 5 --requests 30 --pool-fraction 0.75 "
           f"--engine-cache-tokens {SERIAL_ENGINE_CACHE_TOKENS} "
-          "--systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "trace",
+          "--systems local,kvpool,kvpool-mooncake,vllm-mooncake-embedded --json", "serving.trace",
           {"all": {"systems": ("local", "kvpool", "kvpool-mooncake", "vllm-mooncake-embedded"),
                    "workload": TraceWorkload(requests=30, concurrencies=(1,), rounds=5, pool_fraction=0.75,
                                              engine_cache_tokens=SERIAL_ENGINE_CACHE_TOKENS)}},
-          "trace_report"),
+          "serving.trace_report"),
     Bench("shared", "Two servers sharing one Mooncake pool: B's hits on what A stored",
-          "kvpool bench shared --json", "shared", {}),
+          "kvpool bench shared --json", "serving.shared", {}),
     Bench("trace-hits", "The Mooncake conversation trace: hit rates of the embedded pool's eviction",
-          "kvpool bench trace-hits --json", "trace_hits", {}),
+          "kvpool bench trace-hits --json", "policy.trace_hits", {}),
 )  # fmt: skip
 NAMES = tuple(bench.name for bench in BENCHES)
 
@@ -155,7 +157,7 @@ def run(
         args = bench.arguments(tiny, long, quick)
         began = time.perf_counter()
         partial = out_dir / f"{bench.name}{PARTIAL_SUFFIX}"
-        if bench.module == "serve":
+        if bench.module == "serving.serve":
             stamp = {key: machine[key] for key in ("commit", *MEASURED)}
             kept = {"checkpoint": partial, "stamp": stamp} if long else {}
             result = module.run(**args, **kept, progress=lambda what, name=bench.name: tick(f"{name}: {what}", 1))
@@ -171,7 +173,7 @@ def run(
         reporter.plot(result, out_dir / f"{bench.name}.png")
         partial.unlink(missing_ok=True)  # its rounds are in the result now
         verdicts[bench.name] = _passed(result)
-        if bench.module != "serve":
+        if bench.module != "serving.serve":
             tick(f"{bench.name}: done", 1)
     if report is not None:
         update_report(report, benches, out_dir, machine, tiny)
@@ -189,7 +191,7 @@ def units(benches: Sequence[Bench], tiny: bool, long: bool = False, quick: bool 
     """The progress total: one unit per bench, the serve bench one per server phase."""
     total = 0
     for bench in benches:
-        if bench.module == "serve":
+        if bench.module == "serving.serve":
             module, _ = bench.load()
             args = bench.arguments(tiny, long, quick)
             total += module.steps(args["systems"], args["workload"], args["try_unsupported"])
@@ -309,7 +311,7 @@ def update_report(report: Path, benches: Sequence[Bench], out_dir: Path, machine
 
 def _provenance(out_dir: Path) -> str:
     """A table of where and when each bench's result in `out_dir` was measured, from its JSON."""
-    from kvpool.benchmarks.report import markdown_table
+    from kvpool.benchmarks.measure.report import markdown_table
 
     rows = []
     for bench in BENCHES:

@@ -31,7 +31,7 @@ def bench_store_path(
 ) -> None:
     """CPU cost per engine step of the save path: kvpool's incremental store vs vLLM's own Mooncake store
     connector and the full re-check, in the same cells."""
-    from kvpool.benchmarks import store_path
+    from kvpool.benchmarks.per_step import store_path
 
     chosen = {}
     for option, text, allowed in (("--modes", modes, store_path.MODES), ("--cases", cases, store_path.CASES)):
@@ -63,7 +63,7 @@ def bench_connector_step(
     ),
 ) -> None:
     """CPU per engine step of the whole connector (scheduler + worker side): kvpool vs vLLM's Mooncake store."""
-    from kvpool.benchmarks import connector_step
+    from kvpool.benchmarks.per_step import connector_step
 
     try:
         result = connector_step.run(
@@ -92,25 +92,23 @@ def bench_transfer(
 ) -> None:
     """Save/load throughput per chunk size next to raw Mooncake and memcpy; the disk tier next to the
     disk's own sequential bandwidth."""
-    from kvpool.benchmarks import transfer
+    from kvpool.benchmarks.transfer import backends
 
     if backend == "disk":
-        from kvpool.benchmarks import disk_transfer
+        from kvpool.benchmarks.transfer import disk
 
         if reps < 2:
             raise typer.BadParameter(f"--reps {reps}: the disk bench needs at least 2 rounds for an interval")
-        emit(
-            disk_transfer.run(keys=keys, rounds=reps, directory=directory), as_json, disk_transfer.print_table, no_fail
-        )
+        emit(disk.run(keys=keys, rounds=reps, directory=directory), as_json, disk.print_table, no_fail)
         return
 
     counts = ints("--pieces", pieces)
     try:
-        transfer.check_arguments(backend, transfer.CHUNK_SIZES, counts, keys, reps)
+        backends.check_arguments(backend, backends.CHUNK_SIZES, counts, keys, reps)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    result = transfer.run(backend=backend, pieces=counts, keys_per_batch=keys, reps=reps)
-    emit(result, as_json, transfer.print_table, no_fail)
+    result = backends.run(backend=backend, pieces=counts, keys_per_batch=keys, reps=reps)
+    emit(result, as_json, backends.print_table, no_fail)
 
 
 @bench_app.command("lookup")
@@ -123,7 +121,7 @@ def bench_lookup(
     mooncake: Annotated[bool, typer.Option(help="also ask a real mooncake_master (started on 127.0.0.1)")] = True,
 ) -> None:
     """Lookup latency on the scheduler's thread: embedded index vs Mooncake vs raw batch_is_exist."""
-    from kvpool.benchmarks import lookup
+    from kvpool.benchmarks.per_step import lookup
 
     result = lookup.run(
         contexts=ints("--contexts", contexts),
@@ -143,7 +141,7 @@ def bench_scale(
 ) -> None:
     """Store-path and lookup cost per request vs concurrency; the embedded pool at capacity, before and after
     chain-aware eviction."""
-    from kvpool.benchmarks import scale
+    from kvpool.benchmarks.per_step import scale
 
     args = {**scale.ALL_ARGS, "concurrency": ints("--concurrency", concurrency), "pool_requests": pool_requests}
     emit(scale.run(**args), as_json, scale.print_table, no_fail)
@@ -157,7 +155,7 @@ def bench_serve_overhead(
     rounds: Annotated[int, typer.Option(help="rounds", min=1)] = 2,
 ) -> None:
     """Per-request latency behind vLLM's OpenAI server, with and without kvpool (misses, hits)."""
-    from kvpool.benchmarks import serve_overhead
+    from kvpool.benchmarks.serving import serve_overhead
 
     result = serve_overhead.run(prompts=prompts, rounds=rounds)
     emit(result, as_json, serve_overhead.print_table, no_fail)
@@ -175,12 +173,12 @@ def bench_serve(
     ] = 0,
 ) -> None:
     """End to end behind vLLM's OpenAI server with vLLM's serving benchmark client: kvpool next to the peers."""
-    from kvpool.benchmarks import serve, serve_systems
+    from kvpool.benchmarks.serving import serve, serve_systems, serve_workload
 
     names = [part.strip() for part in systems.split(",") if part.strip()] or list(serve_systems.SYSTEMS)
     try:
         wanted = tuple(ints("--concurrencies", concurrencies))
-        least = min_pool_mib << 20 if min_pool_mib else serve.Workload().min_pool_bytes
+        least = min_pool_mib << 20 if min_pool_mib else serve_workload.Workload().min_pool_bytes
         result = serve.run(systems=names, concurrencies=wanted, rounds=rounds, min_pool_bytes=least)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--systems") from exc
@@ -214,7 +212,7 @@ def bench_trace_hits(
     its policies, plain LRU, Belady's MIN; alone, behind an engine cache, on derived traces."""
     from pathlib import Path
 
-    from kvpool.benchmarks import trace_hits
+    from kvpool.benchmarks.policy import trace_hits
 
     path = Path(trace) if trace else trace_hits.TRACE
     if not path.is_file():
@@ -258,7 +256,7 @@ def bench_trace(
     ] = 0,
 ) -> None:
     """The Mooncake conversation trace replayed behind vLLM's OpenAI server: kvpool next to the peers."""
-    from kvpool.benchmarks import trace
+    from kvpool.benchmarks.serving import trace
 
     names = [part.strip() for part in systems.split(",") if part.strip()] or list(trace.SYSTEMS)
     if dtype not in TRACE_DTYPES:
@@ -293,7 +291,7 @@ def bench_shared(
 ) -> None:
     """Two vLLM servers sharing one Mooncake master: B's TTFT and pool hit rate on A's prompts, kvpool
     next to vLLM's MooncakeStoreConnector, with B's misses and no connector as controls."""
-    from kvpool.benchmarks import shared
+    from kvpool.benchmarks.serving import shared
 
     names = [part.strip() for part in systems.split(",") if part.strip()] or list(shared.SYSTEMS)
     try:
@@ -371,7 +369,7 @@ def bench_hang(
     hung_passes: Annotated[int, typer.Option(help="passes while the master is stopped", min=1)] = 2,
 ) -> None:
     """Per-request latency while the Mooncake master is hung (SIGSTOP), next to no connector."""
-    from kvpool.benchmarks import hang
+    from kvpool.benchmarks.serving import hang
 
     result = hang.run(prompts=prompts, prompt_tokens=prompt_tokens, hung_passes=hung_passes)
     emit(result, as_json, hang.print_table, no_fail)
@@ -393,7 +391,7 @@ def bench_breakdown(
 ) -> None:
     """Where a request's time goes, in scheduler steps and ms, on a hit and a miss: kvpool on Mooncake
     (lookup_wait_ms 0 and default) next to vLLM's MooncakeStoreConnector, same master and placement."""
-    from kvpool.benchmarks import breakdown
+    from kvpool.benchmarks.serving import breakdown
     from kvpool.testing.models import MODEL_KINDS
 
     if model not in MODEL_KINDS:

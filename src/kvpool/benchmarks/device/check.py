@@ -1,6 +1,6 @@
 """The device check: kvpool's worker core and embedded pool on synthetic vLLM-shaped paged KV caches on
 CUDA, with no vLLM and no network (a lent GPU machine has torch and numpy). The plan (shapes, block
-ranges, sizes, time) comes from `device_plan.py`; the phases from `device_phases.py`:
+ranges, sizes, time) comes from `plan.py`; the phases from `phases.py`:
 
 1. **round_trip**: save -> load is byte-exact with the saved blocks reused right after the save, in
    both runners' orders (V1: the next step's hook, then the engine writes the blocks; Model Runner V2:
@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.device_plan import Plan, check_plan, dry_plan, gpu_plan
+from kvpool.benchmarks.device.plan import Plan, check_plan, dry_plan, gpu_plan
 
 
 class Report:
@@ -102,7 +102,7 @@ def start_watchdog(seconds: float, report: Report) -> threading.Timer:
 
 
 def run(plan: Plan, report: Report, phases: list[str]) -> str:
-    from kvpool.benchmarks.device_phases import run_phase
+    from kvpool.benchmarks.device.phases import run_phase
 
     for name in phases:
         began = time.perf_counter()
@@ -149,7 +149,7 @@ def run_isolated(dry_run: bool, report: Report, phases: list[str], budget_s: flo
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "phase.json"
-            command = [sys.executable, "-m", "kvpool.benchmarks.device_check", "--phase-child", name]
+            command = [sys.executable, "-m", "kvpool.benchmarks.device.check", "--phase-child", name]
             command += ["--phase-out", str(out), "--phase-limit", f"{limit:.1f}"]
             command += ["--dry-run"] if dry_run else []
             child = subprocess.Popen(command, stdout=sys.stderr)
@@ -175,7 +175,7 @@ def phase_child(name: str, dry_run: bool, out: Path, limit_s: float) -> int:
     """One phase in this process: its JSON to `out`; at `limit_s`, every thread's stack and exit 1."""
     import torch  # noqa: F401  (the interpreter's start and imports are not the phase's time)
 
-    from kvpool.benchmarks.device_phases import run_phase
+    from kvpool.benchmarks.device.phases import run_phase
 
     faulthandler.enable()  # stacks on a fatal signal (the parent's watchdog sends SIGABRT)
     faulthandler.dump_traceback_later(limit_s, exit=True)

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.benchmarks.device_plan import BandwidthRow, EngineThreadPlan, OverlapPlan, Plan, RoundTripPlan
-from kvpool.benchmarks.device_rig import Rig, SyncCounter
+from kvpool.benchmarks.device.plan import BandwidthRow, EngineThreadPlan, OverlapPlan, Plan, RoundTripPlan
+from kvpool.benchmarks.device.rig import Rig, SyncCounter
 from kvpool.core.config import Integrity
 
 BANDWIDTH_TARGET = 0.8

@@ -13,8 +13,8 @@ import warnings
 from typing import Any
 
 from kvpool.backends.memory import MemoryBackend
-from kvpool.benchmarks.device_cache import backing_cache, fill_random, per_layer_cache
-from kvpool.benchmarks.device_plan import Shape
+from kvpool.benchmarks.device.cache import backing_cache, fill_random, per_layer_cache
+from kvpool.benchmarks.device.plan import Shape
 from kvpool.core.config import Integrity
 from kvpool.core.keys import KeySpace, LayoutFingerprint
 from kvpool.core.masks import FullAttention, MaskCoordinator

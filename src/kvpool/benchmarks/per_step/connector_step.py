@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kvpool.benchmarks.vllm_workload import ConnectorPair, Workload
+from kvpool.benchmarks.per_step.vllm_workload import ConnectorPair, Workload
 
 BACKENDS = ("memory", "mooncake", "vllm")
 WARMUP_STEPS = 4
@@ -230,7 +230,7 @@ def _backend(name: str, base_config: Any) -> Iterator[tuple[Any, Any]]:
             extra = {"backend": "mooncake", "mooncake": options, "save_decode": True}
             yield configure({**kvpool, "kv_role": "kv_both", "kv_connector_extra_config": extra}), _KVPoolPair
             return
-        from kvpool.benchmarks import vllm_store_reference as reference
+        from kvpool.benchmarks.per_step import vllm_store_reference as reference
 
         with reference.cpu_only_patches(), reference.mooncake_config_file(master.address):
             port = 40000 + uuid.uuid4().int % 20000  # names this run's lookup socket: no clash with others

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.connector_step import TARGET_FLATNESS_MAX, TARGET_SPEEDUP_MIN
-from kvpool.benchmarks.report import figure, markdown_table, verdict
+from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
+from kvpool.benchmarks.per_step.connector_step import TARGET_FLATNESS_MAX, TARGET_SPEEDUP_MIN
 
 _POOLS = {"memory": "embedded pool", "mooncake": "Mooncake"}
 

@@ -206,7 +206,7 @@ TINY_ARGS: dict[str, Any] = {"contexts": [1024, 4096], "block_sizes": [64], "rep
 
 def to_markdown(result: dict[str, Any]) -> str:
     """p50/p99 µs per path, one row per (block size, prompt length, case); the target line."""
-    from kvpool.benchmarks.report import markdown_table, verdict
+    from kvpool.benchmarks.measure.report import markdown_table, verdict
 
     paths = list(dict.fromkeys(r["path"] for r in result["rows"]))
     cells: dict[tuple[int, int, str], dict[str, Any]] = {}
@@ -237,7 +237,7 @@ def _pair(row: dict[str, Any] | None) -> str:
 
 def plot(result: dict[str, Any], path: Any) -> None:
     """p99 µs vs prompt length per path (all-hit), one panel per block size, log-log."""
-    from kvpool.benchmarks.report import figure
+    from kvpool.benchmarks.measure.report import figure
 
     blocks = sorted({r["block_size"] for r in result["rows"]})
     with figure(path, ncols=len(blocks)) as (_fig, axes):

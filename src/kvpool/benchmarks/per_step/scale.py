@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.benchmarks.report import figure, markdown_table, verdict
-from kvpool.benchmarks.scale_pool import POLICIES, capacity_row
-from kvpool.benchmarks.store_path import _Cell, _IncrementalRun
+from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
+from kvpool.benchmarks.per_step.scale_pool import POLICIES, capacity_row
+from kvpool.benchmarks.per_step.store_path import _Cell, _IncrementalRun
 from kvpool.core.keys import KeySpace, LayoutFingerprint
 from kvpool.core.masks import FullAttention, MaskCoordinator
 from kvpool.core.pool_reports import PoolReport

@@ -42,9 +42,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvpool.backends.memory import MemoryBackend
-from kvpool.benchmarks.store_path_cells import CASES, LAYER_BLOCK_BYTES, LAYERS, _Cell, _Pool, _Request
-from kvpool.benchmarks.store_path_kvpool import _IncrementalRun, _measure_incremental
-from kvpool.benchmarks.store_path_report import (
+from kvpool.benchmarks.per_step.store_path_cells import CASES, LAYER_BLOCK_BYTES, LAYERS, _Cell, _Pool, _Request
+from kvpool.benchmarks.per_step.store_path_kvpool import _IncrementalRun, _measure_incremental
+from kvpool.benchmarks.per_step.store_path_report import (
     TARGET_SCALING_MAX,
     TARGET_VLLM_MIN,
     plot,
@@ -204,7 +204,7 @@ def run(
     with _mooncake(modes) as master, contextlib.ExitStack() as vllm_scope:
         vllm_session = None
         if "vllm" in modes:
-            from kvpool.benchmarks import store_path_vllm
+            from kvpool.benchmarks.per_step import store_path_vllm
 
             vllm_session = vllm_scope.enter_context(store_path_vllm.session(master.address))
         vllm_scope.callback(gc.unfreeze)

@@ -9,7 +9,7 @@ import time
 
 from kvpool.backends.base import Backend
 from kvpool.backends.memory import MemoryBackend
-from kvpool.benchmarks.store_path_cells import _Cell, _Step
+from kvpool.benchmarks.per_step.store_path_cells import _Cell, _Step
 from kvpool.core.metadata import RequestDelta, StepMetadata
 from kvpool.scheduler.scheduler_core import SchedulerConfig, SchedulerCore
 from kvpool.worker.worker_core import WorkerConfig, WorkerCore

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.report import figure, markdown_table, verdict
+from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
 
 KVPOOL_MODES = ("incremental", "incremental_mooncake")
 TARGET_SCALING_MAX = 1.5  # kvpool modes: largest context vs smallest, per step

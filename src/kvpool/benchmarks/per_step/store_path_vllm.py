@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpool.benchmarks import vllm_store_reference as reference
+from kvpool.benchmarks.per_step import vllm_store_reference as reference
 
 if TYPE_CHECKING:
-    from kvpool.benchmarks.store_path_cells import _Cell, _Pool
+    from kvpool.benchmarks.per_step.store_path_cells import _Cell, _Pool
 
 DRAIN_TIMEOUT_S = 120.0
 HEAD_SIZE = 4  # the specs' nominal shape; vLLM's store layout reads the tensors' own strides

@@ -35,7 +35,7 @@ candidate's first (it keeps five policies: the longest). `replay_cpu_s` in the r
 together.
 
 `analysis` in the result: `trace_reuse.analyze`, what the rules of the policies rest on.
-`python -m kvpool.benchmarks.trace_hits doc` rewrites docs/eviction-policy.md's generated parts from
+`python -m kvpool.benchmarks.policy.trace_hits doc` rewrites docs/eviction-policy.md's generated parts from
 `benchmarks/results/trace-hits.json` (`trace_reuse.update_doc`).
 """
 
@@ -51,8 +51,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.trace_hits_report import CANDIDATE, HELD_OUT_TARGET, TARGETS, plot, summarize, to_markdown
-from kvpool.benchmarks.trace_replay import (
+from kvpool.benchmarks.policy.trace_hits_report import CANDIDATE, HELD_OUT_TARGET, TARGETS, plot, summarize, to_markdown
+from kvpool.benchmarks.policy.trace_replay import (
     BASELINE,
     DERIVED,
     DISK_FACTOR,
@@ -67,7 +67,7 @@ from kvpool.benchmarks.trace_replay import (
     hits_tiered,
     load_requests,
 )
-from kvpool.benchmarks.trace_reuse import analyze, update_doc
+from kvpool.benchmarks.policy.trace_reuse import analyze, update_doc
 from kvpool.core.policy import DEFAULT_POLICY, POLICY_NAMES
 
 __all__ = ["ALL_ARGS", "TINY_ARGS", "TRACE", "plot", "print_table", "run", "to_markdown"]
@@ -272,9 +272,9 @@ def print_table(result: dict[str, Any]) -> None:
     print(to_markdown(result))
 
 
-if __name__ == "__main__":  # python -m kvpool.benchmarks.trace_hits doc: the doc's figures from the result
+if __name__ == "__main__":  # python -m kvpool.benchmarks.policy.trace_hits doc: the doc's figures from the result
     import sys
 
     if sys.argv[1:] != ["doc"]:
-        raise SystemExit("usage: python -m kvpool.benchmarks.trace_hits doc")
+        raise SystemExit("usage: python -m kvpool.benchmarks.policy.trace_hits doc")
     update_doc()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvpool.benchmarks.report import figure, markdown_table, verdict
-from kvpool.benchmarks.trace_replay import BASELINE, DISK_POLICIES
+from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
+from kvpool.benchmarks.policy.trace_replay import BASELINE, DISK_POLICIES
 
 # the policy the targets are for: the default it proposes (DEFAULT_POLICY stays lru until the
 # adaptive policy passes the real-engine tests, core/policy.py)

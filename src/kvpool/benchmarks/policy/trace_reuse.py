@@ -5,7 +5,7 @@ the doc's generated parts from a trace-hits result file.
 often it was named before, and by the time since its chain was last extended (`trace_hits.run` puts it
 in the result's `analysis`). `doc_blocks` turns a result into the doc's generated parts (the analysis'
 tables; each policy's hits over the lru policy's with the verdicts) and `update_doc` writes them between
-the doc's `<!-- generated:NAME -->` markers (`python -m kvpool.benchmarks.trace_hits doc`).
+the doc's `<!-- generated:NAME -->` markers (`python -m kvpool.benchmarks.policy.trace_hits doc`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.report import markdown_table
-from kvpool.benchmarks.trace_hits_report import cell, to_markdown
-from kvpool.benchmarks.trace_replay import common_head
+from kvpool.benchmarks.measure.report import markdown_table
+from kvpool.benchmarks.policy.trace_hits_report import cell, to_markdown
+from kvpool.benchmarks.policy.trace_replay import common_head
 
 # --- what the trace shows: the reuse the policies' rules rest on -------------------------------------
 

@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.benchmarks import breakdown_engines as engines
-from kvpool.benchmarks.breakdown_probe import SAVE_HOOKS, Probe, Record, drive
+from kvpool.benchmarks.serving import breakdown_engines as engines
+from kvpool.benchmarks.serving.breakdown_probe import SAVE_HOOKS, Probe, Record, drive
 
 # (row name, system, kvpool's lookup_wait_ms or None, Python's GIL switch interval in ms or None: unchanged)
 Row = tuple[str, str, float | None, float | None]
@@ -138,7 +138,7 @@ def run(
         ],
     }
     if profile:
-        from kvpool.benchmarks.breakdown_profile import profile_hits
+        from kvpool.benchmarks.serving.breakdown_profile import profile_hits
 
         result["profile"] = {
             name: profile_hits(model, name, system, wait_ms, workload, settings, concurrencies, max_tokens)

@@ -18,7 +18,7 @@ SEGMENT_BYTES = 512 << 20
 
 def pool() -> contextlib.AbstractContextManager[Any]:
     """A fresh master and one segment holder: no system sees another's (or an earlier round's) chunks."""
-    from kvpool.benchmarks.serve_systems import mooncake_pool
+    from kvpool.benchmarks.serving.serve_systems import mooncake_pool
 
     return mooncake_pool(SEGMENT_BYTES)
 
@@ -41,7 +41,7 @@ def connector(system: str, master: Any, wait_ms: float | None) -> Iterator[dict[
             "kv_connector_extra_config": extra,
         }
         return
-    from kvpool.benchmarks.vllm_store_reference import store_config
+    from kvpool.benchmarks.per_step.vllm_store_reference import store_config
 
     previous = os.environ.get("MOONCAKE_CONFIG_PATH")
     with tempfile.TemporaryDirectory(prefix="kvpool-breakdown-") as folder:

@@ -93,8 +93,8 @@ def reduce(raw: str, rate_hz: int = RATE_HZ, top: int = TOP) -> dict[str, Any]:
 def profile_hits(model: str, name: str, system: str, wait_ms: float | None, workload: Any, settings: dict[str, Any],
                  concurrencies: tuple[int, ...], max_tokens: int) -> dict[str, Any]:  # fmt: skip
     """Fill a fresh pool, then profile a fresh engine on the hit prompts (every concurrency)."""
-    from kvpool.benchmarks.breakdown_engines import connector, engine, fill, pool
-    from kvpool.benchmarks.breakdown_probe import Probe, drive
+    from kvpool.benchmarks.serving.breakdown_engines import connector, engine, fill, pool
+    from kvpool.benchmarks.serving.breakdown_probe import Probe, drive
 
     binary = py_spy()
     if binary is None:

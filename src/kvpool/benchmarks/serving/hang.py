@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from kvpool.benchmarks.report import figure, markdown_table, verdict
+from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
 from kvpool.testing.models import default_model_dir, make_tiny_model
 
 TARGET_HUNG_P99_RATIO = 1.1

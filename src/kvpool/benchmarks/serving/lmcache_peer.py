@@ -103,7 +103,7 @@ _SITE_DIR = "kvpool-site"
 
 # Written as <install dir>/kvpool-site/sitecustomize.py; see "The numba start-up crash" above.
 _SITECUSTOMIZE = '''\
-"""Written by kvpool.benchmarks.lmcache_peer: llvmlite's library wrapper answers dunder lookups
+"""Written by kvpool.benchmarks.serving.lmcache_peer: llvmlite's library wrapper answers dunder lookups
 with AttributeError, like ctypes.CDLL, so vLLM's CPU kernel-override scan (``vars(value).get``
 over every module attribute) does not crash once lmcache has imported numba."""
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.report import figure, markdown_table, verdict
+from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 

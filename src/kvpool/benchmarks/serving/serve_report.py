@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.report import figure, markdown_table
-from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE, TIER_SYSTEMS
-from kvpool.benchmarks.stats import Interval, Verdict, ratio, spread, verdict
+from kvpool.benchmarks.measure.report import figure, markdown_table
+from kvpool.benchmarks.measure.stats import Interval, Verdict, ratio, spread, verdict
+from kvpool.benchmarks.serving.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE, TIER_SYSTEMS
 
 FULL_HIT_VS_PEER_MAX = 0.9
 IN_STEP_HIT_VS_LOCAL = (1.02, 1.05)  # the estimate's limit, the interval's

@@ -109,7 +109,7 @@ def start(name: str, capacity_bytes: int) -> Iterator[SystemSetup]:
         with start_master() as master, _vllm_mooncake_config(master.address, "embedded", capacity_bytes) as path:
             yield _vllm_mooncake(path, [master.pid], _free_port())
     elif name == "lmcache":
-        from kvpool.benchmarks import lmcache_peer
+        from kvpool.benchmarks.serving import lmcache_peer
 
         with lmcache_peer.lmcache_mp_server(capacity_bytes=capacity_bytes) as peer:
             yield SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env), pids=[peer.process.pid])
@@ -124,7 +124,7 @@ def start_shared(name: str, capacity_bytes: int, servers: int = 2) -> Iterator[l
     if name not in POOL_SHARING:
         raise ValueError(f"system {name!r}: a shared pool is one of {', '.join(POOL_SHARING)}")
     if name == "lmcache":  # one LMCache MP server, every server's LMCacheMPConnector its client
-        from kvpool.benchmarks import lmcache_peer
+        from kvpool.benchmarks.serving import lmcache_peer
 
         with lmcache_peer.lmcache_mp_server(capacity_bytes=capacity_bytes) as peer:
             setup = SystemSetup(dict(peer.kv_transfer_config), env=dict(peer.env), pids=[peer.process.pid])
@@ -148,7 +148,7 @@ def unsupported_setup(connector: str) -> SystemSetup:
     """The server settings for a connector of `UNSUPPORTED` (expected to fail at start, or to start unable
     to serve a hit)."""
     if connector == "LMCacheConnectorV1":
-        from kvpool.benchmarks import lmcache_peer
+        from kvpool.benchmarks.serving import lmcache_peer
 
         config, env = lmcache_peer.in_process_setup(capacity_bytes=256 << 20)
         return SystemSetup(config, env=env)
@@ -210,7 +210,7 @@ def _vllm_mooncake_config(
 ) -> Iterator[str]:
     """The file vLLM's Mooncake store reads from MOONCAKE_CONFIG_PATH. `standalone-store`: a client that
     gives no memory; `embedded`: the client gives the segment, and a local buffer of the same size."""
-    from kvpool.benchmarks.vllm_store_reference import store_config
+    from kvpool.benchmarks.per_step.vllm_store_reference import store_config
 
     local = segment_bytes if local_buffer_bytes is None else local_buffer_bytes
     config = store_config(master_address, mode, segment_bytes, local)

@@ -51,10 +51,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks import serve, serve_systems
-from kvpool.benchmarks.report import figure, markdown_table
-from kvpool.benchmarks.serve_report import _error_bars, _shown
-from kvpool.benchmarks.stats import Interval, Verdict, ratio, rotation, spread, verdict
+from kvpool.benchmarks.measure.report import figure, markdown_table
+from kvpool.benchmarks.measure.stats import Interval, Verdict, ratio, rotation, spread, verdict
+from kvpool.benchmarks.serving import serve_client, serve_systems, serve_workload, servers
+from kvpool.benchmarks.serving.serve_report import _error_bars, _shown
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
@@ -135,9 +135,9 @@ class RoundPrompts:
 def round_prompts(workload: Workload, round_index: int) -> RoundPrompts:
     """A round's prompts, the same for every system (round -1: the warm-up's)."""
     rng = random.Random(5000 + round_index)
-    sources = [serve._prompt(rng, workload.prompt_len) for _ in range(workload.prompts)]
-    hits = [source + serve._prompt(rng, workload.suffix_len) for source in sources]
-    misses = [serve._prompt(rng, workload.request_len) for _ in range(workload.prompts)]
+    sources = [servers._prompt(rng, workload.prompt_len) for _ in range(workload.prompts)]
+    hits = [source + servers._prompt(rng, workload.suffix_len) for source in sources]
+    misses = [servers._prompt(rng, workload.request_len) for _ in range(workload.prompts)]
     return RoundPrompts(sources, hits, misses)
 
 
@@ -177,7 +177,7 @@ def _master_counts(admin: str) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def _pair(name: str, model: Path, workload: Workload, token_bytes: int) -> Iterator[_Pair]:
-    capacity = max(workload.pool_tokens * token_bytes, serve.MIN_POOL_BYTES)
+    capacity = max(workload.pool_tokens * token_bytes, serve_workload.MIN_POOL_BYTES)
     with contextlib.ExitStack() as stack:
         if name == "local":
             setups = [stack.enter_context(serve_systems.start(name, capacity))]
@@ -188,7 +188,8 @@ def _pair(name: str, model: Path, workload: Workload, token_bytes: int) -> Itera
                 model, kv_transfer_config=setup.kv_transfer_config, extra_args=setup.extra_args,
                 env={**setup.env, **SAME_CORES_ENV, "PYTHONHASHSEED": HASH_SEED}, dtype=workload.dtype,
                 block_size=workload.block_size, max_model_len=workload.max_model_len,
-                kv_cache_memory_bytes=workload.engine_cache_tokens * token_bytes, ready_timeout_s=serve.START_TIMEOUT_S,
+                kv_cache_memory_bytes=workload.engine_cache_tokens * token_bytes,
+                ready_timeout_s=servers.START_TIMEOUT_S,
             )
             for setup in setups
         ]  # fmt: skip
@@ -203,9 +204,9 @@ def _pair(name: str, model: Path, workload: Workload, token_bytes: int) -> Itera
 
 def _request(server: OpenAIServer, prompt: list[int]) -> tuple[float, int, int]:
     """One request of one output token: seconds, cached prompt tokens, of which a connector supplied."""
-    before = server.metrics().get(serve.POOL_HITS, 0.0)
-    seconds, cached = serve._ttft(server, prompt)
-    return seconds, cached, int(server.metrics().get(serve.POOL_HITS, 0.0) - before)
+    before = server.metrics().get(serve_client.POOL_HITS, 0.0)
+    seconds, cached = serve_client._ttft(server, prompt)
+    return seconds, cached, int(server.metrics().get(serve_client.POOL_HITS, 0.0) - before)
 
 
 def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, Any]:
@@ -213,12 +214,12 @@ def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, 
     row: dict[str, Any] = {"a_ttft_ms": None, "a_keys": None, "settle_s": None, "evicted": None}
     if pair.a is not None and not pair.master_admin:
         # LMCache's MP server: no key count to watch, so A's stores get a fixed time to land
-        row["a_ttft_ms"] = serve._median_ms([serve._ttft(pair.a, p)[0] for p in prompts.sources])
+        row["a_ttft_ms"] = serve_client._median_ms([serve_client._ttft(pair.a, p)[0] for p in prompts.sources])
         time.sleep(workload.unwatched_settle_s)
         row["settle_s"] = workload.unwatched_settle_s
     elif pair.a is not None:
         keys, evicted = _master_counts(pair.master_admin)
-        row["a_ttft_ms"] = serve._median_ms([serve._ttft(pair.a, p)[0] for p in prompts.sources])
+        row["a_ttft_ms"] = serve_client._median_ms([serve_client._ttft(pair.a, p)[0] for p in prompts.sources])
         settled, row["settle_s"] = settle(
             lambda: _master_counts(pair.master_admin)[0], workload.settle_s, workload.settle_timeout_s
         )
@@ -234,8 +235,8 @@ def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, 
     hit_tokens = sum(pool for _, _, pool in hits)
     return {
         **row,
-        "hit_ms": serve._median_ms([s for s, _, _ in hits]),
-        "miss_ms": serve._median_ms([s for s, _, _ in misses]),
+        "hit_ms": serve_client._median_ms([s for s, _, _ in hits]),
+        "miss_ms": serve_client._median_ms([s for s, _, _ in misses]),
         "hit_ms_each": [round(s * 1000, 2) for s, _, _ in hits],
         "miss_ms_each": [round(s * 1000, 2) for s, _, _ in misses],
         "hit_pool_tokens": hit_tokens,
@@ -260,7 +261,7 @@ def run(
         raise ValueError(f"system {unknown[0]!r}: expected some of {', '.join(SYSTEMS)}")
     tick = progress or (lambda _: None)
     model = make_tiny_model(workload.model_kind, default_model_dir() / workload.model_kind)
-    token_bytes = serve._token_bytes(model, workload.dtype)
+    token_bytes = servers._token_bytes(model, workload.dtype)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
@@ -274,7 +275,7 @@ def run(
                     stack.push(own.pop_all())
                 running[name] = pair
             except Exception as exc:  # a system that cannot run is reported, the others still are
-                failed[name] = f"{type(exc).__name__}: {serve._last_error_line(str(exc))}"
+                failed[name] = f"{type(exc).__name__}: {servers._last_error_line(str(exc))}"
             tick(f"{name}: started")
         for round_index in range(workload.rounds):
             prompts = round_prompts(workload, round_index)
@@ -288,7 +289,10 @@ def run(
             tick(f"round {round_index + 1} of {workload.rounds}")
     result: dict[str, Any] = {
         "bench": "shared",
-        "workload": {**asdict(workload), "pool_bytes": max(workload.pool_tokens * token_bytes, serve.MIN_POOL_BYTES)},
+        "workload": {
+            **asdict(workload),
+            "pool_bytes": max(workload.pool_tokens * token_bytes, serve_workload.MIN_POOL_BYTES),
+        },
         "model": str(model),
         "hash_seed": HASH_SEED,
         "systems": list(systems),

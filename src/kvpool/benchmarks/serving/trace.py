@@ -31,7 +31,7 @@ its prompt as prefix blocks of 512 tokens (`hash_ids`, chained: an id names its 
   blocks more, so a conversation's next turn is mostly gone from it.
 
 Servers, rounds and figures are `kvpool bench serve`'s: every server started and warmed up front
-(`serve.start_all`: same model, engine settings and cores), rounds interleaved in rotated order; per
+(`servers.start_all`: same model, engine settings and cores), rounds interleaved in rotated order; per
 run TTFT mean / p50 / p99 and end-to-end latency (streamed), output throughput, the engine's local and
 the pool's hit tokens (the server's /metrics counters), and CPU seconds per request of the system's
 whole process tree. `trace_report` gives medians with 95% intervals and paired ratios with verdicts.
@@ -52,19 +52,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from kvpool.benchmarks import serve_systems
-from kvpool.benchmarks.serve import (
-    MIN_POOL_BYTES,
-    Tally,
-    _pool_bytes,
-    _Running,
-    _token_bytes,
-    cpu_seconds,
-    start_all,
-)
-from kvpool.benchmarks.stats import rotation
-from kvpool.benchmarks.trace_hits import TRACE
-from kvpool.benchmarks.trace_report import DATASET, plot, run_figures, summarize, to_markdown
+from kvpool.benchmarks.measure.stats import rotation
+from kvpool.benchmarks.policy.trace_hits import TRACE
+from kvpool.benchmarks.serving import serve_systems
+from kvpool.benchmarks.serving.serve_workload import MIN_POOL_BYTES
+from kvpool.benchmarks.serving.servers import Tally, _pool_bytes, _Running, _token_bytes, cpu_seconds, start_all
+from kvpool.benchmarks.serving.trace_report import DATASET, plot, run_figures, summarize, to_markdown
 from kvpool.testing.models import default_model_dir, make_tiny_model
 
 __all__ = ["ALL_ARGS", "LONG_ARGS", "SYSTEMS", "TINY_ARGS", "Workload", "plot", "print_table", "run", "to_markdown"]

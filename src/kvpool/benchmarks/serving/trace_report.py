@@ -23,11 +23,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks.report import figure, markdown_table
-from kvpool.benchmarks.serve import POOL_HITS
-from kvpool.benchmarks.serve_report import Target, _error_bars, _lines, _series, _shown, judge
-from kvpool.benchmarks.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE, TIER_SYSTEMS
-from kvpool.benchmarks.stats import spread
+from kvpool.benchmarks.measure.report import figure, markdown_table
+from kvpool.benchmarks.measure.stats import spread
+from kvpool.benchmarks.serving.serve_client import POOL_HITS
+from kvpool.benchmarks.serving.serve_report import Target, _error_bars, _lines, _series, _shown, judge
+from kvpool.benchmarks.serving.serve_systems import KVPOOL_SYSTEMS, LIKE_FOR_LIKE, TIER_SYSTEMS
 
 WALL_VS_LOCAL_MAX = 0.9
 EMBEDDED_PEER = "vllm-mooncake-embedded"

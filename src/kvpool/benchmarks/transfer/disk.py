@@ -46,7 +46,7 @@ from kvpool.backends.base import Rows, Status
 from kvpool.backends.disk import HEADER_BYTES, SUFFIX, DiskTier, _read_all
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
-from kvpool.benchmarks.stats import Verdict, ratio, rotation, spread, verdict
+from kvpool.benchmarks.measure.stats import Verdict, ratio, rotation, spread, verdict
 
 CHUNK_SIZES = (256 << 10, 2 << 20, 4 << 20)
 KEYS = 32
@@ -314,7 +314,7 @@ def _direct_supported(directory: str) -> bool:
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    from kvpool.benchmarks.report import markdown_table
+    from kvpool.benchmarks.measure.report import markdown_table
 
     def shown(entry: dict[str, Any]) -> str:
         mark = f" **{entry['verdict']}**" if "verdict" in entry else ""
@@ -363,7 +363,7 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    from kvpool.benchmarks.report import figure
+    from kvpool.benchmarks.measure.report import figure
 
     sizes = [row["chunk_bytes"] >> 10 for row in result["results"]]
     with figure(path, ncols=1) as (_fig, axes):

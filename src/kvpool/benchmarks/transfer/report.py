@@ -144,7 +144,7 @@ def _size(nbytes: int) -> str:
 
 def to_markdown(result: dict[str, Any]) -> str:
     """One row per cell: kvpool's GB/s, the baseline's, the ratio and the seals' cost; the target lines."""
-    from kvpool.benchmarks.report import markdown_table, verdict
+    from kvpool.benchmarks.measure.report import markdown_table, verdict
 
     summary = result["summary"]
     mooncake = result["backend"] == "mooncake"
@@ -176,7 +176,7 @@ def to_markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Any) -> None:
     """GB/s vs chunk size, kvpool next to its baseline, one panel per op (and placement)."""
-    from kvpool.benchmarks.report import figure
+    from kvpool.benchmarks.measure.report import figure
 
     keys = list(dict.fromkeys((row.get("placement", ""), row["op"]) for row in result["results"]))
     with figure(path, ncols=len(keys), width=4.5) as (_fig, axes):
