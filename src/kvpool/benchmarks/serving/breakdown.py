@@ -309,3 +309,29 @@ def print_table(result: dict[str, Any]) -> None:
         console.print(f"py-spy, hit phase, {name}: top frames by own time in connector code")
         for frame in frames.get("own", [])[:8]:
             console.print(f"  {frame['percent']:5.1f}%  {frame['frame']}")
+
+
+# BENCHMARKS.md's table: the default kvpool row and vLLM's connector, per request kind and concurrency
+REPORTED_ROWS = {"kvpool-mooncake wait=5ms": "kvpool on Mooncake", "vllm-mooncake": "vLLM's MooncakeStoreConnector"}
+REPORT_HEADER = (
+    "| request | connector | lookup: steps / ms | load: alloc → finished_recving ms | compute ms | TTFT ms "
+    "| save path on the engine thread ms/step | connector ms/step (scheduler + worker) |\n"
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+)
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """The report's table of `result` (the lookup's wait as TTFT sees it; the connector's cost per step
+    is its scheduler side plus its worker side)."""
+    rows = sorted(
+        (r for r in result["rows"] if r["row"] in REPORTED_ROWS),
+        key=lambda r: (r["phase"], r["concurrency"], list(REPORTED_ROWS).index(r["row"])),
+    )
+    lines = [
+        f"| {r['phase']}, concurrency {r['concurrency']} | {REPORTED_ROWS[r['row']]} "
+        f"| {r['lookup_wait_steps']:.0f} / {r['ttft_lookup_wait_ms']:.1f} | {r['load_ms']:.1f} "
+        f"| {r['ttft_compute_ms']:.1f} | {r['ttft_ms']:.1f} | {r['save_path_ms_per_step']:.3f} "
+        f"| {r['scheduler_ms_per_step'] + r['worker_ms_per_step']:.3f} |\n"
+        for r in rows
+    ]
+    return REPORT_HEADER + "".join(lines)
