@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.backends.memory import MemoryBackend, drop_shared_memory_pools
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.shared_pools import drop_shared_memory_pools
 from kvpool.connector.roles import scheduler_role, worker_config, worker_role
 from kvpool.core.config import KVPoolConfig
 from kvpool.core.fingerprints import GroupFacts, ModelFacts

@@ -4,7 +4,8 @@ imports neither vLLM nor Mooncake."""
 
 from kvpool.backends.base import Backend, BackendStats, Rows, Status
 from kvpool.backends.factory import create_backend
-from kvpool.backends.memory import MemoryBackend, shared_memory_pool
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.shared_pools import shared_memory_pool
 from kvpool.core.chunks import process_tokens
 from kvpool.core.config import KVPoolConfig
 from kvpool.core.errors import (

@@ -21,10 +21,12 @@ import pytest
 import xxhash
 
 from kvpool.backends.base import Status
-from kvpool.backends.disk import HEADER_BYTES, MAGIC, PAGE, SUFFIX, DiskTier, stored_links
+from kvpool.backends.disk import DiskTier
+from kvpool.backends.disk_file import HEADER_BYTES, MAGIC, PAGE, SUFFIX, stored_links
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
-from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
+from kvpool.backends.shared_pools import drop_shared_tiered_pools
+from kvpool.backends.tiered import TieredPool
 from kvpool.core.config import KVPoolConfig
 from kvpool.core.errors import ConfigError
 from kvpool.core.keys import KeySpace, LayoutFingerprint
@@ -253,14 +255,14 @@ def test_a_read_that_meets_its_file_reused_for_another_chunk_is_a_miss_not_damag
     disk = DiskTier(str(tmp_path), 2 * file_bytes)
     disk.write(key(0), [value(0)])
     disk.write(key(1), [value(1)])
-    real_read_all = disk_module._read_all
+    real_read_all = disk_module.read_all
 
     def evicted_while_open(fd: int, data: np.ndarray) -> int:
-        monkeypatch.setattr(disk_module, "_read_all", real_read_all)
+        monkeypatch.setattr(disk_module, "read_all", real_read_all)
         assert disk.write(key(2), [value(2)]) is Status.OK  # evicts key 0: its open file now holds key 2
         return real_read_all(fd, data)
 
-    monkeypatch.setattr(disk_module, "_read_all", evicted_while_open)
+    monkeypatch.setattr(disk_module, "read_all", evicted_while_open)
     assert read(disk, 0)[0] is Status.MISSING
     assert disk.stats().corrupt == 0
     status, got = read(disk, 2)
@@ -279,16 +281,16 @@ def test_a_write_that_reuses_an_evicted_file_never_takes_one_another_write_just_
     disk = DiskTier(str(tmp_path), 2 * file_bytes)
     disk.write(key(0), [value(0)])
     disk.write(key(1), [value(1)])
-    real_open = disk_module._open_for_write
+    real_open = disk_module.open_for_write
     second = threading.Thread(target=lambda: disk.write(key(0), [value(0)]))
 
     def another_write_meanwhile(tmp: str, recycled: tuple[str, int] | None, flags: int = 0) -> int:
-        monkeypatch.setattr(disk_module, "_open_for_write", real_open)
+        monkeypatch.setattr(disk_module, "open_for_write", real_open)
         second.start()  # stores chunk 0 again, evicted a moment ago: it waits for this write to end
         second.join(0.5)
         return real_open(tmp, recycled, flags)
 
-    monkeypatch.setattr(disk_module, "_open_for_write", another_write_meanwhile)
+    monkeypatch.setattr(disk_module, "open_for_write", another_write_meanwhile)
     assert disk.write(key(2), [value(2)]) is Status.OK  # evicts chunk 0, reusing its file
     second.join(5)
     assert not second.is_alive()
@@ -613,16 +615,16 @@ def test_a_full_direct_tier_reuses_evicted_files_and_serves_only_whole_chunks(tm
 def test_a_file_system_that_refuses_o_direct_gets_buffered_io(tmp_path, caplog, monkeypatch) -> None:
     """As tmpfs did before Linux 6.6 (EINVAL at open): injected at the open, since this kernel's tmpfs
     takes O_DIRECT."""
-    from kvpool.backends import disk as disk_module
+    from kvpool.backends import disk_file
 
     real_open = os.open
 
     def refusing(path: str, flags: int, *args: int) -> int:
-        if flags & disk_module._O_DIRECT:
+        if flags & disk_file.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(disk_module.os, "open", refusing)
+    monkeypatch.setattr(disk_file.os, "open", refusing)
     disk = DiskTier(str(tmp_path), 1 << 20, direct=True)
     assert disk.direct_asked and not disk.direct
     assert "O_DIRECT refused" in caplog.text

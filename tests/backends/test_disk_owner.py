@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 
 from kvpool.backends.base import Status
-from kvpool.backends.disk import SUFFIX, DiskTier
+from kvpool.backends.disk import DiskTier
+from kvpool.backends.disk_file import SUFFIX
 from kvpool.backends.disk_owner import MANIFEST_NAME, read_holder
 from kvpool.backends.factory import create_backend
-from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
+from kvpool.backends.shared_pools import drop_shared_tiered_pools
+from kvpool.backends.tiered import TieredPool
 from kvpool.connector.roles import scheduler_role, worker_role
 from kvpool.core.config import KVPoolConfig
 from kvpool.core.errors import ConfigError, DiskInUseError

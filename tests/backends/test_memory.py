@@ -11,7 +11,8 @@ import pytest
 
 from kvpool.backends.base import Status
 from kvpool.backends.factory import BACKEND_NAMES, create_backend
-from kvpool.backends.memory import MemoryBackend, drop_shared_memory_pools, shared_memory_pool
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.shared_pools import drop_shared_memory_pools, shared_memory_pool
 from kvpool.core.errors import ConfigError
 
 

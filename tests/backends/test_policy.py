@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.backends.base import Rows, Status
-from kvpool.backends.memory import MemoryBackend, drop_shared_memory_pools, policy_name, shared_memory_pool
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.shared_pools import drop_shared_memory_pools, policy_name, shared_memory_pool
 from kvpool.core.config import KVPoolConfig
 from kvpool.core.errors import ConfigError
 from kvpool.core.keys import KeySpace, LayoutFingerprint

@@ -13,7 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 pytest.importorskip("vllm")
 
-from kvpool.backends.memory import drop_shared_memory_pools, shared_memory_pool
+from kvpool.backends.shared_pools import drop_shared_memory_pools, shared_memory_pool
 from kvpool.testing.models import default_model_dir, make_tiny_model
 
 BLOCK = 64

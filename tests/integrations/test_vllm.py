@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.backends.memory import shared_memory_pool
+from kvpool.backends.shared_pools import shared_memory_pool
 from kvpool.integrations.vllm import local_scheduler, local_worker
 from kvpool.testing.engine import assert_same_greedy, engine, generate_greedy
 
@@ -217,7 +217,7 @@ def test_a_chunk_lost_between_lookup_and_load_never_leaves_a_window_unfilled(mod
     block 32, window 64, loads only chunks 6 and 7; the others are null blocks. If chunk 7 vanishes
     before the load, resuming at token 224 would attend to null block 5: kvpool must have vLLM
     recompute the whole request instead."""
-    from kvpool.backends.memory import shared_memory_pool
+    from kvpool.backends.shared_pools import shared_memory_pool
 
     model = model_dir("mistral")
     prompts = random_prompts(2, 300, seed=11)

@@ -49,7 +49,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.backends.memory import shared_memory_pool
+from kvpool.backends.shared_pools import shared_memory_pool
 from kvpool.integrations.vllm import local_worker
 from kvpool.testing.engine import GreedyResult, assert_same_greedy, engine, generate_greedy
 

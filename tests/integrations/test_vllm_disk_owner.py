@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvpool.backends.tiered import drop_shared_tiered_pools
+from kvpool.backends.shared_pools import drop_shared_tiered_pools
 from kvpool.testing.engine import engine, generate_greedy
 
 from .conftest import BLOCK, connector_config, random_prompts

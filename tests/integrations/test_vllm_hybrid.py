@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.backends.memory import shared_memory_pool
+from kvpool.backends.shared_pools import shared_memory_pool
 from kvpool.integrations.vllm import local_scheduler, local_worker
 from kvpool.testing.engine import assert_same_greedy, engine, generate_greedy
 

@@ -88,7 +88,7 @@ def test_a_chunk_evicted_between_lookup_and_in_step_load_still_loads(model_dir, 
     allocation and the second prompt takes a local hit on them in the same pass: every output equals a
     run without kvpool, and nothing failed. (Without the contract the same loss is tested on the async
     path: test_vllm.py::test_a_chunk_lost_from_one_load_never_reaches_a_request_sharing_its_prefix.)"""
-    from kvpool.backends.memory import shared_memory_pool
+    from kvpool.backends.shared_pools import shared_memory_pool
 
     from .conftest import BLOCK as block
 

@@ -14,7 +14,8 @@ import pytest
 
 from kvpool.backends.base import Status
 from kvpool.backends.factory import create_backend
-from kvpool.backends.tiered import TieredPool, drop_shared_tiered_pools
+from kvpool.backends.shared_pools import drop_shared_tiered_pools
+from kvpool.backends.tiered import TieredPool
 from kvpool.core.config import KVPoolConfig
 from kvpool.integrations.vllm import local_worker
 from kvpool.testing.engine import engine, generate_greedy

@@ -1,16 +1,8 @@
 """The embedded pool's second tier: chunks as files in one rank's directory, each sealed.
 
-Layout: one file per chunk, `<directory>/<key>.kvc` (the key's `/` are directories, so a layout's
-chunks share a folder and a wipe of one model or layout is one `rm -r`). A file is a header, the key,
-then the value's bytes:
-
-    magic "KVPD" | version u16 | header bytes u16 | key bytes u32 | link bytes u16 | value bytes u64
-    | xxh3_64(value) u64 | xxh3_64(header before this field + key + link) u64 | key | link | value
-
-The link is the chunk's parent in its prefix chain (the chunk hash before it; empty: the first chunk;
-link bytes 0xFFFF and nothing stored: not known), so that the scheduler of a restarted engine can
-announce what the files hold as chains in its KV events (a router takes a chunk without its parent
-for the start of a prompt). Version 2 files (no link field) are still read: an upgrade keeps the tier.
+The chunk file (its path, its header with the chunk's parent link, its checks, padding for `O_DIRECT`)
+and the file I/O the tier does are `disk_file`'s; this module is the tier: the index of the files, their
+capacity and eviction, the writes, the reads and the start-up scan.
 
 Invariants:
 - Nothing wrong is ever served. A file is written under a temporary name and renamed into place once
@@ -37,7 +29,8 @@ Invariants:
   key's prefix says) are reclaimed unread. The directory is one process's (`disk_owner`). Measured
   here: 13.5 µs a file (100,000 files in 1.3 s); files are at least a chunk each, so
   a tier of C bytes of chunks of c bytes scans in C / c × 13.5 µs (1 TiB of 2 MiB chunks: ~7 s). The
-  scheduler of a restarted engine reads each file's header too (`stored_links`), about as long again.
+  scheduler of a restarted engine reads each file's header too (`disk_file.stored_links`), about as
+  long again.
 
 One file per chunk rather than slots in large files: a chunk is a block of every layer (hundreds of
 KiB to MiB at real sizes), so an open and a rename cost little against its bytes, eviction is an
@@ -51,10 +44,9 @@ Two I/O modes (`direct`). Buffered (the default, the page cache): a chunk re-rea
 spilled comes from memory at several times the device's speed, and files need no padding. `O_DIRECT`:
 reads and writes go to the device past the page cache (which then holds no second copy of what DRAM
 evicted, and takes no memory the host's other work wants), from page-aligned buffers, each file padded
-with zeros to a whole number of pages (`PAGE`; the header's value length says where the value ends, and
-a file of either mode reads in the other). A file system that refuses `O_DIRECT` (tmpfs) gets the
-buffered mode, with a warning. What each mode costs against the device in the same mode:
-`kvpool bench transfer --backend disk`.
+to whole pages (`disk_file`: a file of either mode reads in the other). A file system that refuses
+`O_DIRECT` (tmpfs) gets the buffered mode, with a warning. What each mode costs against the device in
+the same mode: `kvpool bench transfer --backend disk`.
 """
 
 from __future__ import annotations
@@ -62,39 +54,44 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from kvpool.backends.base import Buffer, Status
+from kvpool.backends.disk_file import (
+    HEADER_BYTES,
+    MAX_LINK_BYTES,
+    O_DIRECT,
+    SUFFIX,
+    TMP_SUFFIX,
+    aligned,
+    checked_value,
+    direct_works,
+    key_of,
+    open_for_write,
+    pack_header,
+    pages,
+    path_of,
+    read_all,
+    same_file,
+    unlink,
+    walk,
+    write_all,
+)
 from kvpool.backends.disk_owner import Ownership, own, prune, write_manifest
 from kvpool.core.errors import DiskInUseError
 from kvpool.core.keys import KeySpace
 
 log = logging.getLogger("kvpool.disk")
 
-MAGIC = b"KVPD"
-VERSION = 3
-SUFFIX = ".kvc"
-TMP_SUFFIX = ".tmp"
-# magic, version, header bytes, key bytes, link bytes, value bytes, xxh3_64(value)
-_HEAD = struct.Struct("<4sHHIHQQ")
-_HEAD_V2 = struct.Struct("<4sHHIQQ")  # version 2: no link
-_HEAD_SEAL = struct.Struct("<Q")
-HEADER_BYTES = _HEAD.size + _HEAD_SEAL.size
-_HEADER_BYTES_V2 = _HEAD_V2.size + _HEAD_SEAL.size
-NO_LINK = 0xFFFF  # link bytes of a chunk whose parent was not known when it was written
-MAX_LINK_BYTES = 1024  # a parent is a chunk hash (32 bytes with vLLM's sha256)
 WRITE_BACKOFF_S = 5.0
-PAGE = 4096  # O_DIRECT: buffers, lengths and offsets in whole pages (a multiple of any logical block size)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass
@@ -153,8 +150,8 @@ class DiskTier:
         if namespaces is not None and self._owner is not None:
             write_manifest(self.directory, self._spaces)
         self.direct_asked = direct
-        self.direct = direct and _direct_works(self.directory)  # O_DIRECT reads and writes (see the module)
-        self._flags = _O_DIRECT if self.direct else 0
+        self.direct = direct and direct_works(self.directory)  # O_DIRECT reads and writes (see the module)
+        self._flags = O_DIRECT if self.direct else 0
         self._scratch = np.empty(0, dtype=np.uint8)  # direct writes: the page-aligned file image, reused
 
     def _own(self) -> Ownership | None:
@@ -224,7 +221,7 @@ class DiskTier:
         size = sum(memoryview(piece).nbytes for piece in pieces)
         file_bytes = HEADER_BYTES + len(key.encode()) + len(link or b"") + size
         if self.direct:
-            file_bytes = _pages(file_bytes)
+            file_bytes = pages(file_bytes)
         if file_bytes > self.capacity_bytes:
             return Status.FULL
         if time.monotonic() < self._write_blocked_until:
@@ -244,26 +241,26 @@ class DiskTier:
             digest = xxhash.xxh3_64()
             for piece in pieces:
                 digest.update(piece)
-            header = _header(key, link, size, digest.intdigest())
+            header = pack_header(key, link, size, digest.intdigest())
             try:
-                fd = _open_for_write(tmp, recycled, self._flags)
+                fd = open_for_write(tmp, recycled, self._flags)
             except FileNotFoundError:  # the folder was removed under a running tier: made again, once
                 os.makedirs(folder, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags, 0o644)
             try:
                 if self.direct:
-                    _write_all(fd, [self._file_image(header, pieces, file_bytes)])
+                    write_all(fd, [self._file_image(header, pieces, file_bytes)])
                 else:
-                    _write_all(fd, [header, *pieces])
+                    write_all(fd, [header, *pieces])
                 if recycled is not None and os.fstat(fd).st_size > file_bytes:  # its real size, not the index's
                     os.ftruncate(fd, file_bytes)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as error:
-            _unlink(tmp)
+            unlink(tmp)
             if recycled is not None:
-                _unlink(recycled[0])
+                unlink(recycled[0])
             with self._lock:
                 self._stats.write_errors += 1
             self._write_blocked_until = time.monotonic() + WRITE_BACKOFF_S
@@ -285,7 +282,7 @@ class DiskTier:
     def _file_image(self, header: bytes, pieces: Sequence[Buffer], file_bytes: int) -> np.ndarray:
         """The whole file in a page-aligned buffer (O_DIRECT writes from one), zero-padded to its pages."""
         if self._scratch.nbytes < file_bytes:
-            self._scratch = _aligned(file_bytes)
+            self._scratch = aligned(file_bytes)
         image = self._scratch[:file_bytes]
         image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
         at = len(header)
@@ -309,7 +306,7 @@ class DiskTier:
         if not gone:
             return None
         for key, _ in gone[1:]:
-            _unlink(self._path(key))
+            unlink(self._path(key))
         if self.on_evicted is not None:
             self.on_evicted([key for key, _ in gone])
         return self._path(gone[0][0]), gone[0][1]
@@ -327,14 +324,14 @@ class DiskTier:
             try:
                 opened = os.fstat(fd)
                 if self.direct:  # whole pages into a page-aligned buffer; the file's own length counts
-                    data = _aligned(_pages(opened.st_size))
-                    data = data[: _read_all(fd, data, opened.st_size)]
+                    data = aligned(pages(opened.st_size))
+                    data = data[: read_all(fd, data, opened.st_size)]
                 else:
                     data = np.empty(opened.st_size, dtype=np.uint8)
-                    data = data[: _read_all(fd, data)]
-                value = _check(data, key)
+                    data = data[: read_all(fd, data)]
+                value = checked_value(data, key)
                 # asked while the file is open: once closed, its inode number may name a new file
-                reused = value is None and not _same_file(path, opened)
+                reused = value is None and not same_file(path, opened)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -377,7 +374,7 @@ class DiskTier:
             if count_corrupt:
                 self._stats.corrupt += len(removed)
         for key in removed:
-            _unlink(self._path(key))
+            unlink(self._path(key))
         if removed and self.on_evicted is not None:
             self.on_evicted(removed)
         return len(removed)
@@ -391,10 +388,10 @@ class DiskTier:
         found: list[tuple[float, str, int]] = []
         removed = 0
         reclaimed: set[str] = set()  # folders files were reclaimed from
-        for entry in _walk(self.directory):
+        for entry in walk(self.directory):
             name = entry.name
             if name.endswith(TMP_SUFFIX):
-                removed += _unlink(entry.path)
+                removed += unlink(entry.path)
                 continue
             if not name.endswith(SUFFIX):
                 continue
@@ -402,9 +399,9 @@ class DiskTier:
                 status = entry.stat()
             except OSError:
                 continue
-            key = _key_of(self.directory, entry.path)
+            key = key_of(self.directory, entry.path)
             if self._prefixes is not None and not key.startswith(self._prefixes):
-                if _unlink(entry.path):  # never indexed, so never read: another layout's or weights' file
+                if unlink(entry.path):  # never indexed, so never read: another layout's or weights' file
                     self._stats.reclaimed_at_scan += 1
                     reclaimed.add(os.path.dirname(entry.path))
                 continue
@@ -414,7 +411,7 @@ class DiskTier:
         total = 0
         for _, key, size in reversed(found):  # newest first: they are kept
             if total + size > self.capacity_bytes:
-                removed += _unlink(self._path(key))
+                removed += unlink(self._path(key))
                 continue
             total += size
             kept.append((key, size))
@@ -433,187 +430,4 @@ class DiskTier:
             )
 
     def _path(self, key: str) -> str:
-        parts = key.split("/")
-        if any(part in ("", ".", "..") for part in parts):
-            raise ValueError(f"disk tier key {key!r}: every '/'-separated part must be a name (not empty, . or ..)")
-        return os.path.join(self.directory, *parts) + SUFFIX
-
-
-def stored_links(directory: str) -> dict[str, bytes | None]:
-    """Each chunk file's key and link (its parent's hash; None: not known), from the files' headers,
-    without changing anything: the chains a restarted engine's scheduler announces. A file whose header
-    does not check out is left out (the rank's own read refuses it too). One small read a file, about what
-    the rank's own scan costs (measured here, beside a running benchmark: 24 µs a file against the
-    scan's 33, from the page cache; 100,000 files in 2.4 s)."""
-    links: dict[str, bytes | None] = {}
-    for entry in _walk(os.path.abspath(directory)):
-        if not entry.name.endswith(SUFFIX):
-            continue
-        key = _key_of(directory, entry.path)
-        try:
-            fd = os.open(entry.path, os.O_RDONLY)
-            try:
-                head = os.read(fd, HEADER_BYTES + len(key.encode()) + MAX_LINK_BYTES)
-            finally:
-                os.close(fd)
-        except OSError:
-            continue
-        parsed = _parse_head(memoryview(head), key)
-        if parsed is not None:
-            links[key] = parsed[0]
-    return links
-
-
-def _header(key: str, link: bytes | None, size: int, digest: int) -> bytes:
-    encoded = key.encode()
-    linked = link or b""
-    head = _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, len(encoded), NO_LINK if link is None else len(link), size, digest)
-    return head + _HEAD_SEAL.pack(xxhash.xxh3_64_intdigest(head + encoded + linked)) + encoded + linked
-
-
-def _parse_head(view: memoryview, key: str) -> tuple[bytes | None, int, int, int] | None:
-    """A file's header checked against `key` (the start of the file is enough): (link, where the value
-    starts, its bytes, its digest), or None when anything about it is off."""
-    if len(view) < _HEADER_BYTES_V2:
-        return None
-    magic, version = struct.unpack_from("<4sH", view, 0)
-    if magic != MAGIC:
-        return None
-    encoded = key.encode()
-    link: bytes | None = None
-    if version == VERSION and len(view) >= HEADER_BYTES:
-        _, _, header_bytes, key_bytes, link_bytes, size, digest = _HEAD.unpack_from(view, 0)
-        head_size, expected_header = _HEAD.size, HEADER_BYTES
-        stored_link = 0 if link_bytes == NO_LINK else link_bytes
-    elif version == 2:
-        _, _, header_bytes, key_bytes, size, digest = _HEAD_V2.unpack_from(view, 0)
-        head_size, expected_header, link_bytes, stored_link = _HEAD_V2.size, _HEADER_BYTES_V2, NO_LINK, 0
-    else:
-        return None
-    start = expected_header + key_bytes
-    if header_bytes != expected_header or key_bytes != len(encoded) or len(view) < start + stored_link:
-        return None
-    (head_seal,) = _HEAD_SEAL.unpack_from(view, head_size)
-    if view[expected_header:start] != encoded:
-        return None
-    if head_seal != xxhash.xxh3_64_intdigest(view[:head_size].tobytes() + encoded + view[start : start + stored_link]):
-        return None
-    if link_bytes != NO_LINK:
-        link = view[start : start + stored_link].tobytes()
-    return link, start + stored_link, size, digest
-
-
-def _check(data: np.ndarray, key: str) -> np.ndarray | None:
-    """The value of a whole chunk file read into `data`, or None when anything about it is off."""
-    view = data.data
-    parsed = _parse_head(view, key)
-    if parsed is None:
-        return None
-    _, start, size, digest = parsed
-    end = start + size
-    if data.size not in (end, _pages(end)) or xxhash.xxh3_64_intdigest(view[start:end]) != digest:
-        return None  # a file is its bytes exactly, or padded to whole pages (written with O_DIRECT)
-    return data[start:end]
-
-
-def _key_of(directory: str, path: str) -> str:
-    return os.path.relpath(path, directory)[: -len(SUFFIX)].replace(os.sep, "/")
-
-
-def _write_all(fd: int, pieces: list[Buffer]) -> None:
-    views = [memoryview(piece).cast("B") for piece in pieces]
-    first = 0
-    while first < len(views):
-        written = os.writev(fd, views[first : first + 1024])  # IOV_MAX
-        if written <= 0:
-            raise OSError(errno.EIO, "write returned nothing")
-        while first < len(views) and written >= views[first].nbytes:
-            written -= views[first].nbytes
-            first += 1
-        if written:
-            views[first] = views[first][written:]
-
-
-def _open_for_write(tmp: str, recycled: tuple[str, int] | None, flags: int = 0) -> int:
-    """A descriptor to write a chunk's file through under its temporary name: an evicted chunk's file
-    renamed there when there is one (it is overwritten in place: its pages and blocks are reused, where a
-    new file allocates them and the evicted one's unlink frees them again), else a new file."""
-    if recycled is not None:
-        try:
-            os.replace(recycled[0], tmp)
-            return os.open(tmp, os.O_WRONLY | flags)
-        except OSError:  # removed meanwhile, or on another file system under the directory: a new one
-            _unlink(recycled[0])
-            _unlink(tmp)
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
-
-
-def _same_file(path: str, opened: os.stat_result) -> bool:
-    try:
-        now = os.stat(path)
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
-
-
-def _read_all(fd: int, data: np.ndarray, limit: int | None = None) -> int:
-    """Fill `data` from the file's current offset; the bytes read (fewer only at the end of the file).
-    `limit`: stop once this many are read (O_DIRECT: a read at the unaligned end of a file is refused)."""
-    view, got = data.data, 0
-    end = len(view) if limit is None else min(limit, len(view))
-    while got < end:
-        count = os.readv(fd, [view[got:]])
-        if count <= 0:
-            break
-        got += count
-    return got
-
-
-def _walk(directory: str) -> Iterator[os.DirEntry[str]]:
-    stack = [directory]
-    while stack:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError:
-            continue
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(entry.path)
-            elif entry.is_file(follow_symlinks=False):
-                yield entry
-
-
-def _unlink(path: str) -> int:
-    try:
-        os.unlink(path)
-        return 1
-    except OSError:
-        return 0
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // PAGE) * PAGE
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-    """`nbytes` of new memory starting at a page boundary."""
-    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-    skip = -raw.ctypes.data % PAGE
-    return raw[skip : skip + nbytes]
-
-
-def _direct_works(directory: str) -> bool:
-    """Whether the file system under `directory` takes O_DIRECT (tmpfs refuses it); warns when not."""
-    probe = os.path.join(directory, f".direct-probe.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
-        try:
-            os.write(fd, _aligned(PAGE).data)
-        finally:
-            os.close(fd)
-        return _O_DIRECT != 0
-    except OSError as error:
-        log.warning("disk tier %s: O_DIRECT refused (%s); buffered I/O instead", directory, error)
-        return False
-    finally:
-        _unlink(probe)
+        return path_of(self.directory, key)

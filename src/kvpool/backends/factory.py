@@ -18,11 +18,11 @@ def create_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
     """Build a backend by name; options are the backend's own settings (already validated)."""
     options = dict(options or {})
     if name == "memory" and "disk_dir" in options:
-        from kvpool.backends.tiered import shared_tiered_pool
+        from kvpool.backends.shared_pools import shared_tiered_pool
 
         return shared_tiered_pool(**options)
     if name == "memory":
-        from kvpool.backends.memory import shared_memory_pool
+        from kvpool.backends.shared_pools import shared_memory_pool
 
         return shared_memory_pool(**options)
     if name == "mooncake":

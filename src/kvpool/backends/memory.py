@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.backends.base import BackendStats, Rows, Status, Values
-from kvpool.core.buffers import as_u8
+from kvpool.backends.base import BackendStats, Status, Values
+from kvpool.backends.memory_values import held_nbytes, value_pieces, value_writer
 from kvpool.core.errors import ConfigError
-from kvpool.core.policy import LRUPolicy, PoolPolicy, make_policy
+from kvpool.core.policy import LRUPolicy, PoolPolicy
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
 # under the hit contract, the reserve for chunks awaiting acknowledgement (what the engine's saves evict
@@ -86,7 +86,7 @@ class MemoryBackend:
     def put(self, keys: Sequence[str], values: Values) -> list[Status]:
         if len(keys) != len(values):
             raise ValueError(f"put got {len(keys)} keys and {len(values)} values")
-        sizes, write = _writer(values)  # bad buffers raise before any store
+        sizes, write = value_writer(values)  # bad buffers raise before any store
         try:
             targets = self._reserve(keys, sizes)
         finally:
@@ -135,7 +135,7 @@ class MemoryBackend:
     def get_into(self, keys: Sequence[str], dests: Values) -> list[Status]:
         if len(keys) != len(dests):
             raise ValueError(f"get_into got {len(keys)} keys and {len(dests)} destinations")
-        pieces_of, sizes_of = _pieces(dests, writable=True)  # bad buffers raise before any read
+        pieces_of, sizes_of = value_pieces(dests, writable=True)  # bad buffers raise before any read
         results: list[Status] = [Status.MISSING] * len(keys)
         stats = self._stats
         for index in reversed(range(len(keys))):  # tail first: the head ends most recently used
@@ -458,108 +458,3 @@ class MemoryBackend:
             # memory is tight: drop the idle arrays instead of keeping them around
             self._free.clear()
             self._free_bytes = 0
-
-
-_shared: dict[str, MemoryBackend] = {}
-_shared_lock = threading.Lock()
-
-
-def shared_memory_pool(
-    name: str = "default", capacity_bytes: int = DEFAULT_CAPACITY_BYTES, pool_policy: str | None = None
-) -> MemoryBackend:
-    """The process-wide pool called `name`: it outlives engines, so a later engine in this process hits
-    what an earlier one saved. `pool_policy`: its admission and eviction (core/policy/; None: "lru"
-    for a new pool, whatever an existing one has)."""
-    with _shared_lock:
-        pool = _shared.get(name)
-        if pool is None:
-            policy = make_policy(pool_policy or "lru", capacity_bytes)  # an unknown name raises here
-            pool = _shared[name] = MemoryBackend(capacity_bytes, None if pool_policy in (None, "lru") else policy)
-        elif pool.capacity_bytes != capacity_bytes:
-            raise ConfigError(
-                "capacity_bytes", capacity_bytes, f"{pool.capacity_bytes} (the size pool {name!r} was created with)"
-            )
-        elif pool_policy is not None and policy_name(pool) != pool_policy:
-            raise ConfigError(
-                "pool_policy", pool_policy, f"{policy_name(pool)!r} (what pool {name!r} was created with)"
-            )
-        return pool
-
-
-def policy_name(pool: MemoryBackend) -> str:
-    """The name of the pool's policy ("lru" without one)."""
-    return "lru" if pool.policy is None else pool.policy.name
-
-
-def drop_shared_memory_pools() -> None:
-    with _shared_lock:
-        _shared.clear()
-
-
-_PiecesOf = Callable[[int], list[np.ndarray]]
-_Write = Callable[[int, np.ndarray], None]
-_SizesOf = Callable[[int], list[int]]
-
-
-def _pieces(values: Values, writable: bool) -> tuple[_PiecesOf, _SizesOf]:
-    """The byte pieces of value i, and their sizes. Every buffer is checked up front."""
-    if isinstance(values, Rows):
-        if writable and not all(array.flags.writeable for array in values.arrays):
-            raise TypeError("a destination array is read-only")
-        arrays, ids = values.arrays, values.ids.tolist()
-        row_bytes = values.row_bytes
-        return (lambda index: [array[ids[index]] for array in arrays]), (lambda index: row_bytes)
-    prepared = [[as_u8(piece) for piece in value] for value in values]
-    if writable and not all(piece.flags.writeable for pieces in prepared for piece in pieces):
-        raise TypeError("a destination piece is read-only")
-    sizes = [[piece.size for piece in pieces] for pieces in prepared]
-    return prepared.__getitem__, sizes.__getitem__
-
-
-def _writer(values: Values) -> tuple[list[int], _Write]:
-    """Each value's total size, and `write(i, target)`: value i's bytes into `target` (a 1-D uint8 array of
-    that size). Every buffer is checked up front. A `Rows` value is written piece by piece through one
-    memoryview: a decode step puts a chunk or two, where `np.concatenate`'s fixed cost would dominate."""
-    if isinstance(values, Rows):
-        arrays, ids = values.arrays, values.ids.tolist()
-        widths = values.row_bytes
-        sizes = [sum(widths)] * len(ids)
-        if len(arrays) == 1:
-            (array,) = arrays
-
-            def write_row(index: int, target: np.ndarray) -> None:
-                target[:] = array[ids[index]]
-
-            return sizes, write_row
-        columns = list(zip(arrays, widths))
-
-        def write_pieces(index: int, target: np.ndarray) -> None:
-            row, view, offset = ids[index], target.data, 0
-            for array, width in columns:
-                view[offset : offset + width] = array[row]
-                offset += width
-
-        return sizes, write_pieces
-    pieces_of, sizes_of = _pieces(values, writable=False)
-
-    def write(index: int, target: np.ndarray) -> None:
-        pieces = pieces_of(index)
-        if len(pieces) == 1:
-            target[:] = pieces[0]
-        else:
-            np.concatenate(pieces, out=target)
-
-    return [sum(sizes_of(index)) for index in range(len(values))], write
-
-
-def held_nbytes(array: np.ndarray) -> int:
-    """The bytes `array` keeps alive: those of the allocation it views (its own when it owns them)."""
-    root: object = array
-    while isinstance(root, np.ndarray) and root.base is not None:
-        root = root.base
-    if isinstance(root, np.ndarray):
-        return int(root.nbytes)
-    try:
-        return memoryview(root).nbytes  # type: ignore[arg-type]
-    except TypeError:
-        return int(array.nbytes)

@@ -24,7 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -39,10 +38,8 @@ import numpy as np
 
 from kvpool.backends.base import BackendStats, Rows, Status, Values
 from kvpool.backends.disk import DiskStats, DiskTier
-from kvpool.backends.memory import MemoryBackend, _pieces, _writer, policy_name
-from kvpool.core.errors import ConfigError
-from kvpool.core.keys import KeySpace
-from kvpool.core.policy import PoolPolicy, make_policy
+from kvpool.backends.memory import MemoryBackend
+from kvpool.backends.memory_values import value_pieces, value_writer
 
 log = logging.getLogger("kvpool.tiered")
 
@@ -114,7 +111,7 @@ class TieredPool:
         """Into DRAM, whence the writer takes it to disk. A batch larger than half of DRAM goes in
         slices, tail first, each queued for the disk before the next evicts it: DRAM alone would
         refuse what does not fit, and the head of the batch ends in DRAM."""
-        sizes, _ = _writer(values)
+        sizes, _ = value_writer(values)
         limit = max(1, self.memory.capacity_bytes // 2)
         if sum(sizes) <= limit:
             return self.memory.put(keys, values)
@@ -341,7 +338,7 @@ class TieredPool:
             for i in wanted:
                 results[i] = Status.UNAVAILABLE
             return
-        pieces_of, sizes_of = _pieces(dests, writable=True)
+        pieces_of, sizes_of = value_pieces(dests, writable=True)
         deadline = time.monotonic() + self.read_timeout_s
         futures = [(i, self._reads.submit(self.disk.read, keys[i])) for i in wanted]
         promote: list[tuple[str, np.ndarray]] = []
@@ -425,10 +422,6 @@ class TieredPool:
             listener(keys)
 
 
-_shared: dict[str, TieredPool] = {}
-_shared_lock = threading.Lock()
-
-
 def _lowest_priority() -> int | None:
     """Give the calling thread the lowest CPU priority (nice 19; on Linux a thread's own): the writer
     then only takes CPU the engine leaves idle. Under a write load the engine leaves no room for, the
@@ -440,70 +433,3 @@ def _lowest_priority() -> int | None:
     except (AttributeError, OSError):
         log.debug("disk tier: the writer keeps its CPU priority (setpriority is not available here)")
         return None
-
-
-def shared_tiered_pool(
-    name: str,
-    capacity_bytes: int,
-    disk_dir: str,
-    disk_capacity_bytes: int,
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-    direct: bool = False,
-    namespaces: Sequence[KeySpace] | None = None,
-    pool_policy: str | None = None,
-) -> TieredPool:
-    """The process-wide tiered pool called `name` (see `shared_memory_pool`): built once, its disk
-    tier scanned then (its directory locked to this process: DiskInUseError if another holds it); later
-    engines in the process share it. `direct`: O_DIRECT file I/O. `namespaces`: the key spaces the
-    engine reads, whose files the tier keeps (the scan reclaims the rest; None: keeps every file).
-    `pool_policy`: DRAM's evictions (core/policy/; None: "lru" for a new pool, whatever an existing
-    one has); DRAM admits every put, since the disk is written from DRAM's copies (a chunk DRAM declined
-    would reach neither tier)."""
-    with _shared_lock:
-        pool = _shared.get(name)
-        if pool is None:
-            directory = os.path.abspath(disk_dir)
-            for other, held in _shared.items():
-                if held.disk.directory == directory:  # two tiers' indexes would evict each other's files
-                    raise ConfigError("disk_path", disk_dir, f"a directory pool {other!r} of this process does not use")
-            disk = DiskTier(disk_dir, disk_capacity_bytes, direct=direct, namespaces=namespaces)
-            memory = MemoryBackend(capacity_bytes, dram_policy(pool_policy or "lru", capacity_bytes))
-            pool = _shared[name] = TieredPool(memory, disk, read_timeout_s=read_timeout_s)
-            return pool
-        for key, value, created in (
-            ("capacity_bytes", capacity_bytes, pool.memory.capacity_bytes),
-            ("disk_path", disk_dir, pool.disk.directory),
-            ("disk_capacity_bytes", disk_capacity_bytes, pool.disk.capacity_bytes),
-            ("disk_io", _io(direct), _io(pool.disk.direct_asked)),
-            ("pool_policy", pool_policy, policy_name(pool.memory)),
-        ):
-            if key == "disk_path":
-                value = os.path.abspath(disk_dir)
-            if key == "pool_policy" and value is None:
-                continue
-            if value != created:
-                raise ConfigError(key, value, f"{created!r} (what pool {name!r} was created with)")
-        pool.disk.adopt(namespaces)
-        return pool
-
-
-def dram_policy(name: str, capacity_bytes: int) -> PoolPolicy | None:
-    """DRAM's policy above a disk tier: `name`'s eviction, every put admitted (None: plain LRU)."""
-    policy = make_policy(name, capacity_bytes, admission=False)  # an unknown name raises here
-    return None if name == "lru" else policy
-
-
-def _io(direct: bool) -> str:
-    return "direct" if direct else "buffered"
-
-
-def drop_shared_tiered_pools(timeout_s: float = 5.0) -> None:
-    """Write what each pool has queued (bounded), stop it and forget it: the next engine scans anew."""
-    with _shared_lock:
-        pools = list(_shared.values())
-        _shared.clear()
-    for pool in pools:
-        pool.shutdown(timeout_s)
-
-
-atexit.register(drop_shared_tiered_pools)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpool.backends.base import Backend
-from kvpool.backends.disk import stored_links
+from kvpool.backends.disk_file import stored_links
 from kvpool.backends.factory import create_backend
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool

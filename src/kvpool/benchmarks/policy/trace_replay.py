@@ -45,9 +45,11 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.backends.base import Rows
-from kvpool.backends.disk import HEADER_BYTES, DiskTier
+from kvpool.backends.disk import DiskTier
+from kvpool.backends.disk_file import HEADER_BYTES
 from kvpool.backends.memory import MemoryBackend
-from kvpool.backends.tiered import TieredPool, dram_policy
+from kvpool.backends.shared_pools import dram_policy
+from kvpool.backends.tiered import TieredPool
 from kvpool.core.policy import DEFAULT_POLICY, make_policy
 
 TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "mooncake-traces" / "conversation_trace.jsonl"

@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.backends.base import Rows, Status
-from kvpool.backends.disk import HEADER_BYTES, SUFFIX, DiskTier, _read_all
+from kvpool.backends.disk import DiskTier
+from kvpool.backends.disk_file import HEADER_BYTES, SUFFIX, read_all
 from kvpool.backends.memory import MemoryBackend
 from kvpool.backends.tiered import TieredPool
 from kvpool.benchmarks.measure.stats import Verdict, ratio, rotation, spread, verdict
@@ -155,7 +156,7 @@ class _Cell:
         fd = os.open(self.raw_path, os.O_RDONLY)
         try:
             for _ in self.keys:
-                _read_all(fd, np.empty(self.chunk_bytes, dtype=np.uint8))  # on from where the last read stopped
+                read_all(fd, np.empty(self.chunk_bytes, dtype=np.uint8))  # on from where the last read stopped
         finally:
             os.close(fd)
 
@@ -179,7 +180,7 @@ class _Cell:
             path = os.path.join(root, *key.split("/")) + SUFFIX
             fd = os.open(path, os.O_RDONLY)
             try:
-                _read_all(fd, np.empty(os.fstat(fd).st_size, dtype=np.uint8))
+                read_all(fd, np.empty(os.fstat(fd).st_size, dtype=np.uint8))
             finally:
                 os.close(fd)
 
@@ -195,7 +196,7 @@ class _Cell:
         fd = os.open(self.direct_path, os.O_RDONLY | os.O_DIRECT)
         try:
             for _ in self.keys:
-                _read_all(fd, _aligned(self.chunk_bytes))
+                read_all(fd, _aligned(self.chunk_bytes))
         finally:
             os.close(fd)
 
