@@ -178,6 +178,8 @@ def test_second_sight_declines_a_chain_seen_once_when_full_and_stores_it_when_se
     rank.check(forest, chain_whole=True)
     counters = pool.policy.counters()  # type: ignore[union-attr]
     assert counters.declined == 3 and counters.admitted == 6 and counters.evicted == 3
+    stats = pool.stats()  # what /metrics reads (vllm:kvpool_pool_admissions_declined, _pool_evictions)
+    assert (stats.admissions_declined, stats.evictions) == (3, 3)
 
 
 def test_eviction_takes_a_leaf_never_a_head_whose_tail_is_held() -> None:

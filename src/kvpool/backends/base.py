@@ -125,6 +125,7 @@ class BackendStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    admissions_declined: int = 0  # the embedded pool: chunks its policy chose not to store (core/policy/)
     # the embedded pool's disk tier (tiered.py); 0 without one
     disk_capacity_bytes: int = 0
     disk_used_bytes: int = 0

@@ -285,6 +285,8 @@ class MemoryBackend:
                 self._reserve_one(key, size, stats, take_free) if admit is None or admit[index] else Status.DECLINED
                 for index, (key, size) in enumerate(zip(keys, sizes))
             ]
+            if admit is not None:
+                stats.admissions_declined += admit.count(False)
             items = self._items
             for key in reversed(keys):  # tail first, like every touch: the batch's head ends most recently used
                 if key in items:

@@ -108,7 +108,10 @@ WORKER_COUNTERS: tuple[MetricSpec, ...] = (
     ),
 )
 BACKEND_COUNTERS: tuple[MetricSpec, ...] = (
-    MetricSpec("pool_evictions", "evictions", "Chunks the embedded pool evicted (least recently used)."),
+    MetricSpec("pool_evictions", "evictions", "Chunks the embedded pool evicted (by its pool_policy)."),
+    MetricSpec(
+        "pool_admissions_declined", "admissions_declined", "Chunks the embedded pool's pool_policy chose not to store."
+    ),
     MetricSpec("disk_hits", "disk_hits", "Chunks read from the embedded pool's disk tier (not in DRAM any more)."),
     MetricSpec("disk_write_errors", "disk_write_errors", "Disk tier writes that failed (full disk, read-only, I/O)."),
     MetricSpec("disk_writes_skipped", "disk_writes_skipped", "Chunks not written to disk: the write queue was full."),
