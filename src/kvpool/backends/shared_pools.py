@@ -31,13 +31,15 @@ import atexit
 import os
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from kvpool.backends.disk import DiskTier
 from kvpool.backends.memory import DEFAULT_CAPACITY_BYTES, MemoryBackend
-from kvpool.backends.tiered import DEFAULT_READ_TIMEOUT_S, TieredPool
 from kvpool.core.errors import ConfigError
 from kvpool.core.keys import KeySpace
 from kvpool.core.policy import PoolPolicy, make_policy
+
+if TYPE_CHECKING:  # the disk tier is imported when a tiered pool is opened: `import kvpool` needs numpy only
+    from kvpool.backends.tiered import TieredPool
 
 _memory_pools: dict[str, MemoryBackend] = {}
 _memory_lock = threading.Lock()
@@ -82,7 +84,7 @@ def shared_tiered_pool(
     capacity_bytes: int,
     disk_dir: str,
     disk_capacity_bytes: int,
-    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    read_timeout_s: float | None = None,
     direct: bool = False,
     namespaces: Sequence[KeySpace] | None = None,
     pool_policy: str | None = None,
@@ -93,7 +95,10 @@ def shared_tiered_pool(
     engine reads, whose files the tier keeps (the scan reclaims the rest; None: keeps every file).
     `pool_policy`: DRAM's evictions (core/policy/; None: "lru" for a new pool, whatever an existing
     one has); DRAM admits every put, since the disk is written from DRAM's copies (a chunk DRAM declined
-    would reach neither tier)."""
+    would reach neither tier). `read_timeout_s`: None, `tiered.DEFAULT_READ_TIMEOUT_S`."""
+    from kvpool.backends.disk import DiskTier
+    from kvpool.backends.tiered import DEFAULT_READ_TIMEOUT_S, TieredPool
+
     with _tiered_lock:
         pool = _tiered_pools.get(name)
         if pool is None:
@@ -103,7 +108,8 @@ def shared_tiered_pool(
                     raise ConfigError("disk_path", disk_dir, f"a directory pool {other!r} of this process does not use")
             disk = DiskTier(disk_dir, disk_capacity_bytes, direct=direct, namespaces=namespaces)
             memory = MemoryBackend(capacity_bytes, dram_policy(pool_policy or "lru", capacity_bytes))
-            pool = _tiered_pools[name] = TieredPool(memory, disk, read_timeout_s=read_timeout_s)
+            timeout_s = DEFAULT_READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
+            pool = _tiered_pools[name] = TieredPool(memory, disk, read_timeout_s=timeout_s)
             return pool
         for key, value, created in (
             ("capacity_bytes", capacity_bytes, pool.memory.capacity_bytes),
