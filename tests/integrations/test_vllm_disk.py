@@ -33,12 +33,21 @@ def _pool(extra: dict) -> TieredPool:
     return pool
 
 
-def _run(model: Path, prompts: list[list[int]], config: dict, **engine_args: object) -> tuple[list, object]:
+def _run(
+    model: Path,
+    prompts: list[list[int]],
+    config: dict,
+    subscriber: EventSubscriber | None = None,
+    **engine_args: object,
+) -> tuple[list, object]:
     with engine(model, block_size=BLOCK, kv_transfer_config=config, **engine_args) as llm:
         results = generate_greedy(llm, prompts, MAX_TOKENS)
         worker = local_worker()
         assert worker is not None and worker.drain(30.0)
         stats = worker.stats
+        if subscriber is not None:
+            time.sleep(0.5)  # the last batch in flight
+            subscriber.catch_up()  # the start's batches, published before the subscription arrived
     return results, stats
 
 
@@ -80,12 +89,14 @@ def test_hits_beyond_dram_and_after_a_restart_come_from_disk_with_identical_outp
 
         drop_shared_tiered_pools()  # the engine process restarts: DRAM is gone, the directory stays
         monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-        endpoint = f"ipc://{tmp_path / 'events'}"
-        subscriber = EventSubscriber(endpoint, "kv")
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+        endpoint, replay = f"ipc://{tmp_path / 'events'}", f"ipc://{tmp_path / 'replay'}"
+        subscriber = EventSubscriber(endpoint, "kv", replay)
+        events = {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+            "topic": "kv",
+        }  # fmt: skip
         try:
-            restarted, stats = _run(model, prompts, config, kv_events_config=events)
-            time.sleep(0.5)  # the last batch in flight
+            restarted, stats = _run(model, prompts, config, subscriber, kv_events_config=events)
         finally:
             subscriber.close()
         assert [r.num_cached_tokens for r in restarted] == [256, 256, 256]

@@ -470,9 +470,13 @@ def test_kv_events_announce_what_this_engines_workers_put_into_mooncake(llama, m
 
     master = masters()
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-    endpoint = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-events-{uuid.uuid4().hex[:8]}'}"
-    subscriber = EventSubscriber(endpoint, "kv")
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    name = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-events-{uuid.uuid4().hex[:8]}'}"
+    endpoint, replay = name, f"{name}-replay"
+    subscriber = EventSubscriber(endpoint, "kv", replay)
+    events = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+        "topic": "kv",
+    }  # fmt: skip
     try:
         config = mooncake_connector(master)
         with engine(llama, block_size=BLOCK, kv_transfer_config=config, kv_events_config=events) as llm:
@@ -480,6 +484,7 @@ def test_kv_events_announce_what_this_engines_workers_put_into_mooncake(llama, m
             settle(llm)
             assert _LOCAL_WORKERS  # the worker reported its puts from this process
             time.sleep(0.5)  # the last batches in flight
+            subscriber.catch_up()  # what went out before the subscription reached the publisher
     finally:
         subscriber.close()
     stored = subscriber.of("BlockStored", "STORAGE")

@@ -124,9 +124,13 @@ def test_a_shared_pools_reset_withdraws_every_block_it_announced(model_dir, mast
 
     master = masters()
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-    endpoint = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-reset-{uuid.uuid4().hex[:8]}'}"
-    subscriber = EventSubscriber(endpoint, "kv")
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    name = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-reset-{uuid.uuid4().hex[:8]}'}"
+    endpoint, replay = name, f"{name}-replay"
+    subscriber = EventSubscriber(endpoint, "kv", replay)
+    events = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+        "topic": "kv",
+    }  # fmt: skip
     prompts = random_prompts(2, 300, seed=43)
     try:
         config = mooncake_connector(master)
@@ -134,6 +138,7 @@ def test_a_shared_pools_reset_withdraws_every_block_it_announced(model_dir, mast
             generate_greedy(llm, prompts, MAX_TOKENS)
             settle(llm)
             time.sleep(0.5)
+            subscriber.catch_up()  # what went out before the subscription reached the publisher
             stored = subscriber.hashes("BlockStored", "STORAGE")
             assert len(stored) == 2 * (300 // BLOCK), stored
             assert llm.reset_prefix_cache(reset_connector=True)

@@ -42,12 +42,22 @@ BLOCKS_STORED = 10 * 6  # the ten distinct prompts' full blocks
 
 
 class EventSubscriber:
-    """Collects vLLM's KV events from its ZMQ publisher (msgpack batches) on a thread."""
+    """Collects vLLM's KV events from its ZMQ publisher (msgpack batches) on a thread.
 
-    def __init__(self, endpoint: str, topic: str) -> None:
+    A SUB socket misses what its publisher sent before the subscription reached it (ZMQ's slow
+    joiner): an engine that starts fast publishes its first batches (a restarted disk tier's
+    announcement among them) before that. With `replay_endpoint` (the publisher's, in its
+    `kv_events_config`), `catch_up()`, called while the engine still runs, asks the publisher's replay
+    buffer for every batch from the first, as a router's indexer does, and keeps those it missed."""
+
+    END_SEQ = -1  # the replay's last frame
+
+    def __init__(self, endpoint: str, topic: str, replay_endpoint: str | None = None) -> None:
         import zmq
 
-        self.events: list[dict[str, Any]] = []
+        self._batches: dict[int, list[dict[str, Any]]] = {}  # by sequence number
+        self._lock = threading.Lock()
+        self._replay_endpoint = replay_endpoint
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
         self._socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -57,17 +67,45 @@ class EventSubscriber:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [event for seq in sorted(self._batches) for event in self._batches[seq]]
+
+    def _keep(self, seq_bytes: bytes, payload: bytes) -> None:
         import msgspec
+
+        _, events, *_ = msgspec.msgpack.decode(payload)
+        with self._lock:
+            self._batches.setdefault(int.from_bytes(seq_bytes, "big", signed=True), list(events))
+
+    def _run(self) -> None:
         import zmq
 
         while not self._stop.is_set():
             try:
-                _, _, payload = self._socket.recv_multipart()
+                _, seq_bytes, payload = self._socket.recv_multipart()
             except zmq.Again:
                 continue
-            _, events, *_ = msgspec.msgpack.decode(payload)
-            self.events.extend(events)
+            self._keep(seq_bytes, payload)
+
+    def catch_up(self, timeout_s: float = 10.0) -> None:
+        """Every batch the publisher still buffers, from the first: what the SUB socket missed is kept."""
+        import zmq
+
+        assert self._replay_endpoint is not None, "catch_up needs the publisher's replay_endpoint"
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        try:
+            socket.connect(self._replay_endpoint)
+            socket.send_multipart((b"", (0).to_bytes(8, "big")))
+            while True:  # bounded: each receive waits at most timeout_s, and the publisher ends the replay
+                _, _, seq_bytes, payload = socket.recv_multipart()
+                if int.from_bytes(seq_bytes, "big", signed=True) == self.END_SEQ:
+                    return
+                self._keep(seq_bytes, payload)
+        finally:
+            socket.close(0)
 
     def close(self) -> None:
         self._stop.set()

@@ -198,8 +198,8 @@ def _pair(name: str, model: Path, workload: Workload, token_bytes: int) -> Itera
         for manager, future in zip(managers, entered):
             if future.exception() is None:
                 stack.push(manager)  # stopped with the pool
-        servers = [future.result() for future in entered]  # the first failure, once every started one is held
-        yield _Pair(servers[0] if len(servers) == 2 else None, servers[-1], setups[0].master_admin)
+        started = [future.result() for future in entered]  # the first failure, once every started one is held
+        yield _Pair(started[0] if len(started) == 2 else None, started[-1], setups[0].master_admin)
 
 
 def _request(server: OpenAIServer, prompt: list[int]) -> tuple[float, int, int]:
