@@ -89,12 +89,7 @@ def test_hits_beyond_dram_and_after_a_restart_come_from_disk_with_identical_outp
 
         drop_shared_tiered_pools()  # the engine process restarts: DRAM is gone, the directory stays
         monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-        endpoint, replay = f"ipc://{tmp_path / 'events'}", f"ipc://{tmp_path / 'replay'}"
-        subscriber = EventSubscriber(endpoint, "kv", replay)
-        events = {
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
-            "topic": "kv",
-        }  # fmt: skip
+        subscriber, events = EventSubscriber.on_ipc(str(tmp_path / "events"))
         try:
             restarted, stats = _run(model, prompts, config, subscriber, kv_events_config=events)
         finally:

@@ -470,13 +470,7 @@ def test_kv_events_announce_what_this_engines_workers_put_into_mooncake(llama, m
 
     master = masters()
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-    name = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-events-{uuid.uuid4().hex[:8]}'}"
-    endpoint, replay = name, f"{name}-replay"
-    subscriber = EventSubscriber(endpoint, "kv", replay)
-    events = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
-        "topic": "kv",
-    }  # fmt: skip
+    subscriber, events = EventSubscriber.on_ipc(f"{tempfile.gettempdir()}/kvpool-mc-events-{uuid.uuid4().hex[:8]}")
     try:
         config = mooncake_connector(master)
         with engine(llama, block_size=BLOCK, kv_transfer_config=config, kv_events_config=events) as llm:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,13 +123,7 @@ def test_a_shared_pools_reset_withdraws_every_block_it_announced(model_dir, mast
 
     master = masters()
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-    name = f"ipc://{Path(tempfile.gettempdir()) / f'kvpool-mc-reset-{uuid.uuid4().hex[:8]}'}"
-    endpoint, replay = name, f"{name}-replay"
-    subscriber = EventSubscriber(endpoint, "kv", replay)
-    events = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
-        "topic": "kv",
-    }  # fmt: skip
+    subscriber, events = EventSubscriber.on_ipc(f"{tempfile.gettempdir()}/kvpool-mc-reset-{uuid.uuid4().hex[:8]}")
     prompts = random_prompts(2, 300, seed=43)
     try:
         config = mooncake_connector(master)

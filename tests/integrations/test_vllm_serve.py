@@ -52,6 +52,17 @@ class EventSubscriber:
 
     END_SEQ = -1  # the replay's last frame
 
+    @classmethod
+    def on_ipc(cls, path: str) -> tuple[EventSubscriber, dict[str, Any]]:
+        """A subscriber of the ipc endpoints at `path` (and `path`-replay), and the engine's
+        `kv_events_config` that publishes there."""
+        endpoint, replay = f"ipc://{path}", f"ipc://{path}-replay"
+        config = {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay,
+            "topic": "kv",
+        }  # fmt: skip
+        return cls(endpoint, "kv", replay), config
+
     def __init__(self, endpoint: str, topic: str, replay_endpoint: str | None = None) -> None:
         import zmq
 
