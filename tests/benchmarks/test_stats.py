@@ -75,3 +75,10 @@ def test_each_system_runs_first_equally_often_across_rotations() -> None:
     firsts = [rotation(systems, r)[0] for r in range(6)]
     assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
     assert all(sorted(rotation(systems, r)) == systems for r in range(6))
+
+
+def test_median_ms_is_the_median_in_milliseconds_and_nothing_is_zero() -> None:
+    from kvpool.benchmarks.measure.stats import median_ms
+
+    assert median_ms([0.010, 0.0301234, 0.020]) == 20.0 and median_ms([0.0011111, 0.0022222]) == 1.67
+    assert median_ms([]) == 0.0

@@ -112,3 +112,8 @@ def rotation(systems: Sequence[str], round_index: int) -> list[str]:
     """The order of `systems` in a round: rotated by one each round, so each runs first as often."""
     shift = round_index % len(systems) if systems else 0
     return list(systems[shift:]) + list(systems[:shift])
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+    """The median of `seconds` in milliseconds, to 0.01 ms (0.0: none)."""
+    return round(statistics.median(seconds) * 1000, 2) if seconds else 0.0

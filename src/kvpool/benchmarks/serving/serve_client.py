@@ -10,11 +10,11 @@ import contextlib
 import io
 import random
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from kvpool.benchmarks.measure.stats import median_ms
 from kvpool.benchmarks.serving.serve_workload import Workload
 from kvpool.benchmarks.serving.servers import LOG_BYTES, _prompt, _Running, cpu_seconds
 from kvpool.scheduler.scheduler_core import FIRST_TOKEN_KINDS
@@ -162,10 +162,10 @@ def _probe(server: OpenAIServer, workload: Workload, round_index: int) -> dict[s
     return {
         "prompts": workload.probe_prompts,
         "prompt_tokens": workload.prompt_len,
-        "miss_ms": _median_ms(times["miss"]),
-        "again_ms": _median_ms(times["again"]),
+        "miss_ms": median_ms(times["miss"]),
+        "again_ms": median_ms(times["again"]),
         "again_cached_tokens": min(cached["again"]),
-        "evicted_ms": _median_ms(times["evicted"]),
+        "evicted_ms": median_ms(times["evicted"]),
         "evicted_cached_tokens": min(cached["evicted"]),
         "evicted_pool_tokens": min(cached["evicted_from_pool"]),  # of those, the tokens a connector loaded
         "evicted_pool_tokens_each": cached["evicted_from_pool"],
@@ -211,7 +211,3 @@ def _ttft(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
     began = time.perf_counter()
     reply = server.complete(prompt, 1)
     return time.perf_counter() - began, int(reply["cached_tokens"])
-
-
-def _median_ms(seconds: list[float]) -> float:
-    return round(statistics.median(seconds) * 1000, 2) if seconds else 0.0

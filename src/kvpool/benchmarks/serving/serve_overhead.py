@@ -18,12 +18,12 @@ pool hit loads the state at the 256-token boundary and the attention chunks belo
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from kvpool.benchmarks.measure.report import figure, markdown_table, verdict
+from kvpool.benchmarks.measure.stats import median_ms
 from kvpool.testing.models import default_model_dir, make_tiny_model
 from kvpool.testing.server import SAME_CORES_ENV, OpenAIServer, openai_server
 
@@ -104,12 +104,12 @@ def run(
                     if cached:
                         with_pool["local_hit"].append(seconds)
     medians = {
-        "miss_ms_without": _median_ms(without["miss"]),
-        "miss_ms_noop_connector": _median_ms(noop["miss"]),
-        "miss_ms_with": _median_ms(with_pool["miss"]),
-        "local_hit_ms_without": _median_ms(without["local_hit"]),
-        "pool_hit_ms_with": _median_ms(with_pool["pool_hit"]),
-        "local_hit_ms_with": _median_ms(with_pool["local_hit"]),
+        "miss_ms_without": median_ms(without["miss"]),
+        "miss_ms_noop_connector": median_ms(noop["miss"]),
+        "miss_ms_with": median_ms(with_pool["miss"]),
+        "local_hit_ms_without": median_ms(without["local_hit"]),
+        "pool_hit_ms_with": median_ms(with_pool["pool_hit"]),
+        "local_hit_ms_with": median_ms(with_pool["local_hit"]),
     }
     miss_ratio = medians["miss_ms_with"] / max(medians["miss_ms_without"], 1e-9)
     hit_ratio = medians["pool_hit_ms_with"] / max(medians["local_hit_ms_without"], 1e-9)
@@ -148,10 +148,6 @@ def _timed(server: OpenAIServer, prompt: list[int]) -> tuple[float, int]:
     began = time.perf_counter()
     result = server.complete(prompt, 8)
     return time.perf_counter() - began, result["cached_tokens"]
-
-
-def _median_ms(seconds: list[float]) -> float:
-    return round(statistics.median(seconds) * 1000, 2) if seconds else 0.0
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.benchmarks.measure.report import figure, markdown_table
-from kvpool.benchmarks.measure.stats import Interval, Verdict, ratio, rotation, spread, verdict
+from kvpool.benchmarks.measure.stats import Interval, Verdict, median_ms, ratio, rotation, spread, verdict
 from kvpool.benchmarks.serving import serve_client, serve_systems, serve_workload, servers
 from kvpool.benchmarks.serving.serve_report import _error_bars, _shown
 from kvpool.testing.models import default_model_dir, make_tiny_model
@@ -214,12 +214,12 @@ def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, 
     row: dict[str, Any] = {"a_ttft_ms": None, "a_keys": None, "settle_s": None, "evicted": None}
     if pair.a is not None and not pair.master_admin:
         # LMCache's MP server: no key count to watch, so A's stores get a fixed time to land
-        row["a_ttft_ms"] = serve_client._median_ms([serve_client._ttft(pair.a, p)[0] for p in prompts.sources])
+        row["a_ttft_ms"] = median_ms([serve_client._ttft(pair.a, p)[0] for p in prompts.sources])
         time.sleep(workload.unwatched_settle_s)
         row["settle_s"] = workload.unwatched_settle_s
     elif pair.a is not None:
         keys, evicted = _master_counts(pair.master_admin)
-        row["a_ttft_ms"] = serve_client._median_ms([serve_client._ttft(pair.a, p)[0] for p in prompts.sources])
+        row["a_ttft_ms"] = median_ms([serve_client._ttft(pair.a, p)[0] for p in prompts.sources])
         settled, row["settle_s"] = settle(
             lambda: _master_counts(pair.master_admin)[0], workload.settle_s, workload.settle_timeout_s
         )
@@ -235,8 +235,8 @@ def _round(pair: _Pair, workload: Workload, prompts: RoundPrompts) -> dict[str, 
     hit_tokens = sum(pool for _, _, pool in hits)
     return {
         **row,
-        "hit_ms": serve_client._median_ms([s for s, _, _ in hits]),
-        "miss_ms": serve_client._median_ms([s for s, _, _ in misses]),
+        "hit_ms": median_ms([s for s, _, _ in hits]),
+        "miss_ms": median_ms([s for s, _, _ in misses]),
         "hit_ms_each": [round(s * 1000, 2) for s, _, _ in hits],
         "miss_ms_each": [round(s * 1000, 2) for s, _, _ in misses],
         "hit_pool_tokens": hit_tokens,
